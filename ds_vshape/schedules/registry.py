@@ -1,0 +1,126 @@
+"""Generators registered by name; ``generate`` is the single way in for the CLI and the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .costs import Costs
+from .ir import Schedule
+from .validate import validate
+
+__all__ = ["GeneratorInfo", "register", "generate", "get_info", "schedule_names", "ScheduleNameError"]
+
+Generator = Callable[..., Schedule]
+MinMicroBatches = Callable[[int, int, int], int]
+
+
+@dataclass(frozen=True)
+class GeneratorInfo:
+    """A generator and what it accepts.
+
+    ``fixed_chunks``: model stages per rank the schedule always uses (1 linear, 2 V), or None
+    when the user picks v (``chunks``, default 2). ``min_micro_batches(p, v, k)``: the smallest m.
+    """
+
+    name: str
+    fn: Generator
+    summary: str
+    aliases: tuple[str, ...] = ()
+    fixed_chunks: int | None = 1
+    seq_chunks: bool = False
+    memory_limit: bool = False
+    uses_costs: bool = False
+    zero_stages: tuple[int, ...] = (0, 1)
+    min_micro_batches: MinMicroBatches = lambda p, v, k: 1
+
+    def chunks(self, requested: int | None) -> int:
+        if self.fixed_chunks is not None:
+            if requested not in (None, self.fixed_chunks):
+                raise ValueError(f"schedule {self.name!r} always uses chunks={self.fixed_chunks}; drop 'chunks' or set it to {self.fixed_chunks}")
+            return self.fixed_chunks
+        if requested is not None and requested < 1:
+            raise ValueError(f"chunks must be >= 1, got {requested}")
+        return 2 if requested is None else requested
+
+
+_REGISTRY: dict[str, GeneratorInfo] = {}
+_ALIASES: dict[str, str] = {}
+
+
+class ScheduleNameError(KeyError, ValueError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def register(name: str, **info: object) -> Callable[[Generator], Generator]:
+    """Decorator: ``@register("v-half", fixed_chunks=2, summary=...)``."""
+
+    def wrap(fn: Generator) -> Generator:
+        entry = GeneratorInfo(name=name, fn=fn, **info)  # type: ignore[arg-type]
+        _REGISTRY[name] = entry
+        for alias in entry.aliases:
+            _ALIASES[alias] = name
+        return fn
+
+    return wrap
+
+
+def schedule_names() -> list[str]:
+    """Registered names (aliases excluded), in registration order."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get_info(name: str) -> GeneratorInfo:
+    _load_builtin()
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in _REGISTRY:
+        valid = ", ".join(sorted(list(_REGISTRY) + list(_ALIASES)))
+        raise ScheduleNameError(f"unknown schedule {name!r}; valid names: {valid}")
+    return _REGISTRY[key]
+
+
+def generate(
+    name: str,
+    stages: int,
+    micro_batches: int,
+    *,
+    chunks: int | None = None,
+    seq_chunks: int | None = None,
+    memory_limit: float | None = None,
+    costs: Costs | None = None,
+    check: bool = True,
+) -> Schedule:
+    """Make (and by default validate) the named schedule for p ranks and m micro-batches."""
+    info = get_info(name)
+    v = info.chunks(chunks)
+    k = _seq_chunks(info, seq_chunks)
+    if memory_limit is not None and not info.memory_limit:
+        raise ValueError(f"schedule {info.name!r} takes no memory_limit; the schedules that do: {_with('memory_limit')}")
+    if stages < 2:
+        raise ValueError(f"pipeline schedules need at least 2 stages, got {stages}")
+    low = info.min_micro_batches(stages, v, k)
+    if micro_batches < low:
+        raise ValueError(f"schedule {info.name!r} with p={stages}, v={v}, k={k} needs at least {low} micro-batches, got {micro_batches}")
+    schedule = info.fn(stages, micro_batches, v=v, k=k, memory_limit=memory_limit, costs=costs or Costs())
+    return validate(schedule) if check else schedule
+
+
+def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
+    if requested in (None, 1):
+        return 2 if info.seq_chunks and requested is None else 1
+    if not info.seq_chunks:
+        raise ValueError(f"schedule {info.name!r} does not cut sequences; seq_chunks applies to: {_with('seq_chunks')}")
+    if requested < 1:  # type: ignore[operator]
+        raise ValueError(f"seq_chunks must be >= 1, got {requested}")
+    return int(requested)  # type: ignore[arg-type]
+
+
+def _with(flag: str) -> str:
+    return ", ".join(n for n, i in _REGISTRY.items() if getattr(i, flag))
+
+
+def _load_builtin() -> None:
+    # Importing the generator modules registers them; done lazily to keep import order simple.
+    from . import generators  # noqa: F401
