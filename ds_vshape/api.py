@@ -1,0 +1,112 @@
+"""``ds_vshape.initialize``: ``deepspeed.initialize`` with a schedule switch in the JSON.
+
+An existing pipeline job changes ``deepspeed.initialize`` to ``ds_vshape.initialize`` and
+adds ``"schedule": "<name>"`` to its ``"pipeline"`` block; nothing else. Every check that
+can fail runs before the engine is built, so bad input is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed import comm as ds_dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
+
+from .config import ConfigError, PipelineConfig, parse_pipeline_config
+from .runtime.engine import VShapeEngine
+from .runtime.module import PipelineModule, from_deepspeed_module
+from .schedules import generate, get_info
+
+__all__ = ["initialize"]
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    *,
+    config: str | dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """Same arguments and 4-tuple as ``deepspeed.initialize``."""
+    config_dict = _load_config(args, config)
+    vs = parse_pipeline_config(config_dict)
+    if vs.schedule is None or not isinstance(model, DSPipelineModule):
+        if vs.schedule is not None:
+            raise ConfigError("pipeline.schedule needs a deepspeed.pipe.PipelineModule (or ds_vshape.PipelineModule) as model")
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config_dict, **kwargs)
+    _init_distributed(kwargs)
+    module = _prepare_module(model, vs, config_dict)
+    if model_parameters is not None and module is not model:
+        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    ds_config = DeepSpeedConfig(config_dict, module.mpu())
+    engine = VShapeEngine(
+        args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+        lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
+        collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config, vs_config=vs,
+    )
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _load_config(args: Any, config: str | dict[str, Any] | None) -> dict[str, Any]:
+    path = getattr(args, "deepspeed_config", None)
+    if path is not None and config is not None:
+        raise ConfigError("config given twice: both args.deepspeed_config and config=; pass one")
+    source = config if config is not None else path
+    if source is None:
+        raise ConfigError("no DeepSpeed config: pass config= (dict or JSON path) or --deepspeed_config")
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source))  # a private copy: DeepSpeed mutates its config
+    with open(source) as fh:
+        return json.load(fh)
+
+
+def _init_distributed(kwargs: dict[str, Any]) -> None:
+    ds_dist.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        dist_init_required=kwargs.get("dist_init_required"),
+    )
+
+
+def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[str, Any]) -> PipelineModule:
+    """Check everything that could later hang, then re-place the layers for the schedule."""
+    p = model.num_stages
+    micro_batches = _micro_batches(config, model)
+    zero = int(config.get("zero_optimization", {}).get("stage", 0))
+    info = get_info(vs.schedule)  # type: ignore[arg-type]
+    if zero not in info.zero_stages:
+        allowed = ", ".join(str(z) for z in info.zero_stages)
+        raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r} (supported: {allowed}); set zero_optimization.stage to 0 or 1")
+    try:
+        schedule = generate(info.name, p, micro_batches, chunks=vs.chunks, seq_chunks=vs.seq_chunks,
+                            memory_limit=vs.memory_limit, check=False)
+    except ValueError as err:
+        raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
+    if len(model._layer_specs) < schedule.num_model_stages:
+        raise ConfigError(
+            f"the model has {len(model._layer_specs)} layers but schedule {info.name!r} cuts it into "
+            f"{schedule.num_model_stages} stages ({p} ranks x {schedule.chunks_per_rank}); use fewer stages or split the model finer"
+        )
+    module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=vs.partition_method)
+    return module
+
+
+def _micro_batches(config: dict[str, Any], model: DSPipelineModule) -> int:
+    gas = config.get("gradient_accumulation_steps")
+    if gas is not None:
+        return int(gas)
+    dp = ds_dist.get_world_size() // model.num_stages
+    train, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
+    if train is None or micro is None:
+        raise ConfigError("set gradient_accumulation_steps (the number of micro-batches per step) in the config")
+    return int(train) // (int(micro) * dp)

@@ -1,0 +1,251 @@
+"""The engine: DeepSpeed's PipelineEngine, executing any schedule of the IR.
+
+All ordering lives in the schedule; this class only executes instructions. State between
+instructions is kept in small dicts keyed by unit (stage, micro_batch, seq_chunk):
+``_act_in`` holds a stage's input activations (received, or handed over locally when the
+neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..schedules import F, Schedule, generate
+from ..schedules.costs import Costs
+from . import instructions as ins
+from .comm import P2P
+from .memory import ActivationMeter
+from .split_backward import WeightGradStore, enable_split_backward
+
+__all__ = ["VShapeEngine"]
+
+log = logging.getLogger("ds_vshape")
+Unit = tuple[int, int, int]
+
+
+class VShapeEngine(PipelineEngine):
+    """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
+
+    def __init__(self, *args: Any, vs_config: Any, **kwargs: Any) -> None:
+        module = kwargs["model"]
+        # PipelineEngine.__init__ already asks is_first_stage()/is_last_stage(); they must
+        # answer for our placement from the start (nn.Module.__init__ has not run yet).
+        object.__setattr__(self, "_vs_placement", tuple(module.placement))
+        super().__init__(*args, **kwargs)
+        self.vs_config = vs_config
+        self.schedule: Schedule = generate(
+            vs_config.schedule, self.num_stages, self.micro_batches,
+            chunks=vs_config.chunks, seq_chunks=vs_config.seq_chunks, memory_limit=vs_config.memory_limit,
+        )
+        if self.schedule.stage_to_rank != self._vs_placement:
+            raise ValueError(f"module placement {self._vs_placement} does not match schedule placement {self.schedule.stage_to_rank}")
+        self.num_model_stages = self.schedule.num_model_stages
+        self._store = WeightGradStore()
+        if self.schedule.uses_split_backward:
+            enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store)
+        self._meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
+        self.peak_activation_bytes = 0
+        self._p2p = P2P(
+            global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
+            num_stages=self.num_model_stages, micro_batches=max(self.micro_batches, 1), seq_chunks=self.schedule.seq_chunks,
+            device=self.device, timeout_s=vs_config.p2p_timeout_s, my_rank=self.stage_id,
+        )
+        self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
+        self._reset_step_state()
+
+    # ---- placement-aware answers DeepSpeed asks -----------------------------------------
+    def is_first_stage(self) -> bool:
+        return self._vs_placement[0] == self.stage_id
+
+    def is_last_stage(self) -> bool:
+        return self._vs_placement[-1] == self.stage_id
+
+    def _loss_stage_global_rank(self) -> int:
+        return self.grid.stage_to_global(self._vs_placement[-1])
+
+    def _train_schedule(self) -> ins.IRSchedule:
+        return self._train_ir
+
+    def _inference_schedule(self, micro_batches: int) -> ins.IRSchedule:
+        return ins.IRSchedule(_forward_only(self.schedule, micro_batches), self.stage_id, train=False)
+
+    # ---- step framing -----------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._data: dict[int, Any] = {}
+        self._labels: dict[int, Any] = {}
+        self._act_in: dict[Unit, Any] = {}
+        self._grad_in: dict[Unit, tuple[torch.Tensor, ...]] = {}
+        self._saved: dict[int, tuple[Any, Any]] = {}
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        self._reset_step_state()
+        self._meter.reset_peak()
+        self.tput_timer.start()
+        try:
+            super()._exec_schedule(pipe_schedule)
+            self._p2p.drain()
+        finally:
+            self.peak_activation_bytes = self._meter.peak_bytes
+        leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending()
+        if leftovers:
+            raise RuntimeError(f"rank {self.stage_id}: schedule left work undone for units {leftovers[:4]}")
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def _exec_load(self, micro_batch: int) -> None:
+        batch = self._next_batch()
+        if self.is_first_stage():
+            self._data[micro_batch] = _to_device(batch[0], self.device)
+        if self.is_last_stage():
+            self._labels[micro_batch] = _to_device(batch[1], self.device)
+
+    def _exec_forward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        unit = (stage, micro_batch, seq_chunk)
+        raw = self._data.pop(micro_batch) if stage == 0 else self._act_in.pop(unit)
+        inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
+        split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
+        with self._meter.recording(), split:
+            outputs = self.module.forward_stage(stage, inputs)
+        if stage == self.num_model_stages - 1:
+            outputs = self._record_loss(outputs, self._labels.pop(micro_batch, None))
+        else:
+            self._act_in[(stage + 1, micro_batch, seq_chunk)] = _detached(outputs)
+        if torch.is_grad_enabled():
+            self._saved[buffer_id] = (inputs, outputs)
+
+    def _record_loss(self, outputs: Any, labels: Any) -> Any:
+        if self._compute_loss and self.module.loss_fn is not None:
+            loss = self.module.loss_fn(outputs, labels)
+        else:
+            loss = outputs
+        if self.eval_return_logits:
+            self.outputs = outputs
+        self.loss = loss
+        self.fwd_outputs.append(loss.detach())
+        self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
+        return loss
+
+    def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+        tensors = _tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
+        self._p2p.send_activations(tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+
+    def _exec_recv_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+        got = self._p2p.recv_activations(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+        self._act_in[(stage, micro_batch, seq_chunk)] = got[0] if len(got) == 1 else got
+
+    def _exec_send_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+        grads = self._grad_in.pop((stage, micro_batch, seq_chunk))
+        self._p2p.send_grads(grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+
+    def _exec_recv_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+        unit = (stage, micro_batch, seq_chunk)
+        self._grad_in[unit] = self._p2p.recv_grads(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+
+    def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        with self._store.deferring((stage, micro_batch, seq_chunk)):
+            self._backward(stage, micro_batch, seq_chunk, buffer_id)
+        self._meter.set_extra(self._store.parked_bytes)
+
+    def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        self._store.run((stage, micro_batch, seq_chunk))
+        self._meter.set_extra(self._store.parked_bytes)
+        self._after_grads()
+
+    def _exec_fused_backward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        self._backward(stage, micro_batch, seq_chunk, buffer_id)
+
+    def _backward(self, stage: int, micro_batch: int, seq_chunk: int, buffer_id: int) -> None:
+        inputs, outputs = self._saved.pop(buffer_id)
+        if stage == self.num_model_stages - 1:
+            tensors, grads = [self._scale_loss_by_gas(outputs)], [None]
+        else:
+            got = self._grad_in.pop((stage, micro_batch, seq_chunk))
+            floats = [t for t in _tensors(outputs) if t.is_floating_point()]
+            pairs = [(t, g) for t, g in zip(floats, got) if t.requires_grad]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        if stage > 0:
+            self._grad_in[(stage - 1, micro_batch, seq_chunk)] = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs) if t.is_floating_point()
+            )
+        self._after_grads()
+
+    def _after_grads(self) -> None:
+        # The bf16 optimizer keeps fp32 gradient accumulators; fold each pass's bf16 grads in.
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=True)
+
+    # ---- optimizer: clip by the norm over every stage -----------------------------------------
+    def clip_fp32_gradients(self) -> None:
+        """Clip by the global norm over all stages (DeepSpeed's own takes a per-stage norm)."""
+        max_norm = self.gradient_clipping()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads:
+            local += g.detach().double().pow(2).sum()
+        dist.all_reduce(local, group=self.grid.get_pipe_parallel_group())
+        total = math.sqrt(local.item())
+        self._global_grad_norm = total
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
+        for p in self.module.parameters():  # replicated tied copies get the same scaling
+            if p.grad is not None and getattr(p, "ds_pipe_replicated", False) and coef < 1.0:
+                p.grad.detach().mul_(coef)
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ins.LoadMicroBatch: _exec_load,
+        ins.RecvActivation: _exec_recv_act,
+        ins.ForwardPass: _exec_forward,
+        ins.SendActivation: _exec_send_act,
+        ins.RecvGrad: _exec_recv_grad,
+        ins.BackwardInput: _exec_backward_input,
+        ins.BackwardWeight: _exec_backward_weight,
+        ins.FusedBackward: _exec_fused_backward,
+        ins.SendGrad: _exec_send_grad,
+    }
+
+
+def _forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
+    """Forwards of every local stage for every micro-batch (lowering orders them)."""
+    ranks = tuple(
+        tuple(F(s, i) for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == r for i in range(micro_batches))
+        for r in range(schedule.stages)
+    )
+    return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)
+
+
+def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return tuple(t.detach() for t in x)
+    return x.detach()
+
+
+def _as_leaves(x: Any, *, grad: bool) -> Any:
+    """Fresh leaves for a stage's inputs, so B can read the input gradient off ``.grad``."""
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach()
+        if grad and out.is_floating_point():
+            out.requires_grad_(True)
+        return out
+
+    return tuple(leaf(t) for t in x) if isinstance(x, (tuple, list)) else leaf(x)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, (tuple, list)):
+        return tuple(t.to(device) for t in x)
+    return x.to(device) if torch.is_tensor(x) else x

@@ -1,0 +1,102 @@
+"""DeepSpeed instructions for lowered ops, and the one ``PipeSchedule`` adapter.
+
+The engine stays a DeepSpeed engine: it walks ``PipeSchedule.steps()`` and dispatches each
+instruction through ``_INSTRUCTION_MAP``. Reduce and optimizer-step instructions are
+DeepSpeed's own classes; the rest carry (stage, micro_batch, seq_chunk, peer, buffer_id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from ..schedules import Schedule
+from ..schedules.lowering import Op, OpKind, lower
+
+__all__ = [
+    "LoadMicroBatch", "RecvActivation", "ForwardPass", "SendActivation", "RecvGrad",
+    "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "to_instruction",
+]
+
+
+class _UnitInstruction(ds_schedule.PipeInstruction):
+    """An instruction about one unit; kwargs: stage, micro_batch, seq_chunk, peer, buffer_id."""
+
+
+class LoadMicroBatch(ds_schedule.PipeInstruction):
+    pass
+
+
+class RecvActivation(_UnitInstruction):
+    pass
+
+
+class ForwardPass(_UnitInstruction):
+    pass
+
+
+class SendActivation(_UnitInstruction):
+    pass
+
+
+class RecvGrad(_UnitInstruction):
+    pass
+
+
+class BackwardInput(_UnitInstruction):
+    """B: gradient w.r.t. the stage input; linear-layer weight GEMMs are parked."""
+
+
+class BackwardWeight(_UnitInstruction):
+    """W: the parked weight-gradient GEMMs of one unit."""
+
+
+class FusedBackward(_UnitInstruction):
+    """BW: the whole backward of one unit at once, as 1F1B runs it."""
+
+
+class SendGrad(_UnitInstruction):
+    pass
+
+
+_CLASSES: dict[OpKind, type[ds_schedule.PipeInstruction]] = {
+    OpKind.LOAD: LoadMicroBatch,
+    OpKind.RECV_ACT: RecvActivation,
+    OpKind.FORWARD: ForwardPass,
+    OpKind.SEND_ACT: SendActivation,
+    OpKind.RECV_GRAD: RecvGrad,
+    OpKind.BACKWARD_INPUT: BackwardInput,
+    OpKind.BACKWARD_WEIGHT: BackwardWeight,
+    OpKind.BACKWARD: FusedBackward,
+    OpKind.SEND_GRAD: SendGrad,
+    OpKind.REDUCE_TIED_GRADS: ds_schedule.ReduceTiedGrads,
+    OpKind.REDUCE_GRADS: ds_schedule.ReduceGrads,
+    OpKind.OPTIMIZER_STEP: ds_schedule.OptimizerStep,
+}
+
+
+def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
+    cls = _CLASSES[op.kind]
+    if op.kind is OpKind.LOAD:
+        return cls(micro_batch=op.micro_batch)
+    if issubclass(cls, _UnitInstruction):
+        return cls(stage=op.stage, micro_batch=op.micro_batch, seq_chunk=op.seq_chunk, peer=op.peer, buffer_id=op.buffer)
+    return cls()
+
+
+class IRSchedule(ds_schedule.PipeSchedule):
+    """Adapter: one rank's lowered ops as DeepSpeed's ``PipeSchedule`` (one op per step)."""
+
+    def __init__(self, schedule: Schedule, rank: int, *, train: bool = True) -> None:
+        super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
+        self.schedule = schedule
+        self.ops = lower(schedule, rank, train=train)
+        self._instructions = [to_instruction(op) for op in self.ops]
+
+    def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
+        for instruction in self._instructions:
+            yield [instruction]
+
+    def num_pipe_buffers(self) -> int:
+        return 1 + max((op.buffer for op in self.ops if op.buffer is not None), default=0)

@@ -1,0 +1,176 @@
+"""A PipelineModule that holds several model stages per rank (V and looped placement).
+
+DeepSpeed's PipelineModule cuts the layer list into one contiguous range per rank. Here
+the list is cut into p*v model stages, and each rank builds only the layers of the stages
+its placement gives it. Checkpoint files keep DeepSpeed's global layer numbering
+(``layer_XX-model_states.pt``), so a job can move between schedules, and stock DeepSpeed
+loads what we save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+from deepspeed.runtime.pipe.module import PipelineModule as _DSPipelineModule
+from torch import nn
+
+__all__ = ["PipelineModule", "from_deepspeed_module"]
+
+
+class PipelineModule(_DSPipelineModule):
+    """``deepspeed.pipe.PipelineModule`` with a stage-to-rank placement.
+
+    ``placement`` lists, for each model stage in forward order, the pipeline rank that owns
+    it (see ``ds_vshape.schedules.placement``); None means DeepSpeed's own one stage per rank.
+    """
+
+    def __init__(self, layers: Sequence[Any], *, placement: Sequence[int] | None = None, **kwargs: Any) -> None:
+        # DeepSpeed's __init__ calls our _partition_layers/_build before returning, so the
+        # placement must be in place first; nn.Module.__init__ has not run yet, hence object.__setattr__.
+        object.__setattr__(self, "_vs_placement", tuple(placement) if placement is not None else None)
+        super().__init__(layers, **kwargs)
+
+    # ---- partition ------------------------------------------------------------------------
+    @property
+    def placement(self) -> tuple[int, ...]:
+        return self._vs_placement or tuple(range(self.num_stages))
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        num_model_stages = len(self.placement)
+        if len(self._layer_specs) < num_model_stages:
+            raise ValueError(
+                f"the model has {len(self._layer_specs)} layers but the schedule cuts it into {num_model_stages} "
+                f"stages ({self.num_stages} ranks x {num_model_stages // self.num_stages} chunks); "
+                "use fewer pipeline stages or chunks, or split the model into more layers"
+            )
+        self.stage_parts = _partition(self, method.lower(), num_model_stages)
+        rank = self._topo.get_coord(self.global_rank).pipe
+        self.local_stages = [s for s, r in enumerate(self.placement) if r == rank]
+        self.local_layer_ids = [i for s in self.local_stages for i in range(self.stage_parts[s], self.stage_parts[s + 1])]
+        # DeepSpeed reads these for logging and for its own bookkeeping.
+        self.parts = [self.stage_parts[0]] + [self.stage_parts[s + 1] for s in range(num_model_stages)]
+        self._set_bounds(start=min(self.local_layer_ids), stop=max(self.local_layer_ids) + 1)
+
+    def stage_owner(self, layer_idx: int) -> int:
+        for s in range(len(self.placement)):
+            if self.stage_parts[s] <= layer_idx < self.stage_parts[s + 1]:
+                return self.placement[s]
+        raise ValueError(f"layer {layer_idx} is outside 0..{self._num_layers - 1}")
+
+    # ---- build ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        self.stage_funcs: dict[int, list[Any]] = {}
+        for stage in self.local_stages:
+            funcs = [self._build_layer(i) for i in range(self.stage_parts[stage], self.stage_parts[stage + 1])]
+            self.stage_funcs[stage] = funcs
+            self.forward_funcs.extend(funcs)
+        for param in self.parameters():
+            param.ds_pipe_replicated = False
+
+    def _build_layer(self, layer_idx: int) -> Any:
+        spec = self._layer_specs[layer_idx]
+        if self.seed_layers:
+            (self.seed_fn or ds_utils.set_random_seed)(self.base_seed + layer_idx)
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
+                self.tied_modules[spec.key] = spec.build()
+                self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+            module = self.tied_modules[spec.key]
+            return module if spec.forward_fn is None else partial(spec.forward_fn, module)
+        if isinstance(spec, (LayerSpec, nn.Module)):
+            module = spec.build() if isinstance(spec, LayerSpec) else spec
+            self.add_module(str(layer_idx), module)
+            self.fwd_map[str(layer_idx)] = len(self.forward_funcs)
+            return module
+        return spec  # a plain function
+
+    def stage_modules(self, stage: int) -> list[nn.Module]:
+        return [f.func.args[0] if isinstance(f, partial) else f for f in self.stage_funcs[stage] if isinstance(f, (nn.Module, partial))]
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward_stage(self, stage: int, inputs: Any) -> Any:
+        """Run one model stage, with DeepSpeed's activation checkpointing if configured."""
+        funcs = self.stage_funcs[stage]
+        interval = self.activation_checkpoint_interval
+        if interval <= 0:
+            return _run(funcs, inputs)
+        x = inputs
+        for start in range(0, len(funcs), interval):
+            block = funcs[start : start + interval]
+            args = x if isinstance(x, tuple) else (x,)
+            if self._is_checkpointable(block):
+                x = self.activation_checkpoint_func(_Runner(block), *args)
+            else:
+                x = _run(block, x)
+        return x
+
+    # ---- checkpoints: DeepSpeed's file names, global layer numbers ------------------------
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        return _with_global_index(super().ckpt_layer_path, self, ckpt_dir, local_layer_idx)
+
+    def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
+        return _with_global_index(super().ckpt_layer_path_list, self, ckpt_dir, local_layer_idx)
+
+
+def _with_global_index(fn: Any, module: PipelineModule, ckpt_dir: str, local_idx: int) -> Any:
+    # DeepSpeed adds _local_start to a local index; our local layers are not contiguous.
+    start = module._local_start
+    try:
+        module._local_start = 0
+        return fn(ckpt_dir, module.local_layer_ids[local_idx])
+    finally:
+        module._local_start = start
+
+
+class _Runner:
+    """Picklable-free callable for checkpoint(): runs a block of layers on unpacked args."""
+
+    def __init__(self, funcs: list[Any]) -> None:
+        self.funcs = funcs
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _run(self.funcs, inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _run(funcs: list[Any], x: Any) -> Any:
+    for f in funcs:
+        x = f(x)
+    return x
+
+
+def _partition(module: PipelineModule, method: str, parts: int) -> list[int]:
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(module._layer_specs), num_parts=parts)
+    if method == "parameters":
+        return ds_utils.partition_balanced(weights=module._count_layer_params(), num_parts=parts)
+    if method.startswith("type:"):
+        weights = [0] * len(module._layer_specs)
+        for idx in module._find_layer_type(method.split(":", 1)[1]):
+            weights[idx] = 1
+        return ds_utils.partition_balanced(weights=weights, num_parts=parts)
+    raise ValueError(f"partition_method {method!r} is not supported; use 'uniform', 'parameters' or 'type:<regex>'")
+
+
+def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *, partition_method: str = "parameters") -> PipelineModule:
+    """Rebuild a stock PipelineModule for a placement, from the same layer list and settings."""
+    if isinstance(module, PipelineModule) and tuple(module.placement) == tuple(placement):
+        return module
+    return PipelineModule(
+        module._layer_specs,
+        placement=placement,
+        topology=module._topo,
+        loss_fn=module.loss_fn,
+        seed_layers=module.seed_layers,
+        seed_fn=module.seed_fn,
+        base_seed=module.base_seed,
+        partition_method=partition_method,
+        activation_checkpoint_interval=module.activation_checkpoint_interval,
+        activation_checkpoint_func=module.activation_checkpoint_func,
+        checkpointable_layers=module.checkpointable_layers,
+        dynamic_shape=getattr(module, "dynamic_shape", False),
+    )

@@ -1,0 +1,170 @@
+"""Lowering: from a schedule's per-rank actions to the operations one rank executes.
+
+A fixed chain of small passes, each a pure function tested alone:
+
+1. ``merge_backward``    B immediately followed by its own W becomes one fused BW
+                         (nothing could run in between, so splitting only costs a store).
+2. ``add_communication`` sends after the producing pass, receives right before the
+                         consuming pass; a neighbour stage on the same rank (the turn of
+                         the V at rank p-1) is a local hand-off with no message.
+3. ``add_data_loading``  loads micro-batches in order, just before first use.
+4. ``assign_buffers``    gives every unit in flight on the rank a buffer slot, reusing
+                         freed slots, so the slot count is the rank's peak in-flight count.
+5. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
+
+Ops name pipeline ranks (``peer``), never process-group ranks; the runtime maps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from .ir import Action, Kind, Schedule
+
+__all__ = [
+    "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
+    "assign_buffers", "add_step_tail", "format_ops",
+]
+
+
+class OpKind(str, Enum):
+    LOAD = "load"
+    RECV_ACT = "recv_act"
+    FORWARD = "forward"
+    SEND_ACT = "send_act"
+    RECV_GRAD = "recv_grad"
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
+    BACKWARD = "backward"
+    SEND_GRAD = "send_grad"
+    REDUCE_TIED_GRADS = "reduce_tied_grads"
+    REDUCE_GRADS = "reduce_grads"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+_COMPUTE = {Kind.F: OpKind.FORWARD, Kind.B: OpKind.BACKWARD_INPUT, Kind.W: OpKind.BACKWARD_WEIGHT, Kind.BW: OpKind.BACKWARD}
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One instruction for one rank. ``stage`` is the model stage the data belongs to
+    (for sends and receives: the stage that consumes it); ``peer`` the other pipeline rank."""
+
+    kind: OpKind
+    stage: int = -1
+    micro_batch: int = -1
+    seq_chunk: int = 0
+    peer: int | None = None
+    buffer: int | None = None
+
+    def __str__(self) -> str:
+        parts = [self.kind.value]
+        if self.stage >= 0:
+            parts.append(f"s{self.stage}")
+        if self.micro_batch >= 0:
+            parts.append(f"mb{self.micro_batch}" + (f".{self.seq_chunk}" if self.seq_chunk else ""))
+        if self.peer is not None:
+            parts.append(f"peer{self.peer}")
+        if self.buffer is not None:
+            parts.append(f"buf{self.buffer}")
+        return " ".join(parts)
+
+
+def merge_backward(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """Fuse each B that is directly followed by its own W."""
+    out: list[Action] = []
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        nxt = actions[i + 1] if i + 1 < len(actions) else None
+        if a.kind is Kind.B and nxt is not None and nxt.kind is Kind.W and nxt.unit == a.unit:
+            out.append(Action(Kind.BW, *a.unit))
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return tuple(out)
+
+
+def add_communication(schedule: Schedule, rank: int, actions: tuple[Action, ...]) -> list[Op]:
+    """Compute ops with the sends and receives their neighbours on other ranks need."""
+    S, owner = schedule.num_model_stages, schedule.stage_to_rank
+    ops: list[Op] = []
+    for a in actions:
+        s, i, j = a.unit
+        if a.kind is Kind.F and s > 0 and owner[s - 1] != rank:
+            ops.append(Op(OpKind.RECV_ACT, s, i, j, peer=owner[s - 1]))
+        if a.kind.is_backward and s < S - 1 and owner[s + 1] != rank:
+            ops.append(Op(OpKind.RECV_GRAD, s, i, j, peer=owner[s + 1]))
+        ops.append(Op(_COMPUTE[a.kind], s, i, j))
+        if a.kind is Kind.F and s < S - 1 and owner[s + 1] != rank:
+            ops.append(Op(OpKind.SEND_ACT, s + 1, i, j, peer=owner[s + 1]))
+        if a.kind.is_backward and s > 0 and owner[s - 1] != rank:
+            ops.append(Op(OpKind.SEND_GRAD, s - 1, i, j, peer=owner[s - 1]))
+    return ops
+
+
+def add_data_loading(schedule: Schedule, ops: list[Op]) -> list[Op]:
+    """Load micro-batches in order, each right before the first forward that reads it.
+
+    Stage 0 reads the inputs and the last stage reads the labels; loading in order keeps
+    the user's data iterator in step with DeepSpeed's own engine.
+    """
+    last = schedule.num_model_stages - 1
+    loaded = 0
+    out: list[Op] = []
+    for op in ops:
+        if op.kind is OpKind.FORWARD and op.stage in (0, last):
+            while loaded <= op.micro_batch:
+                out.append(Op(OpKind.LOAD, micro_batch=loaded))
+                loaded += 1
+        out.append(op)
+    return out
+
+
+def assign_buffers(ops: list[Op]) -> list[Op]:
+    """Give each (stage, micro-batch, chunk) a slot from its forward to its last backward op."""
+    last_use: dict[tuple[int, int, int], int] = {}
+    for pos, op in enumerate(ops):
+        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD):
+            last_use[(op.stage, op.micro_batch, op.seq_chunk)] = pos
+    free: list[int] = []
+    slots: dict[tuple[int, int, int], int] = {}
+    count = 0
+    out: list[Op] = []
+    for pos, op in enumerate(ops):
+        unit = (op.stage, op.micro_batch, op.seq_chunk)
+        if op.kind is OpKind.FORWARD:
+            slot = free.pop(0) if free else count
+            count = max(count, slot + 1)
+            slots[unit] = slot
+        if unit in slots and op.kind in (OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD):
+            out.append(replace(op, buffer=slots[unit]))
+            if last_use[unit] == pos:
+                free.append(slots.pop(unit))
+                free.sort()
+        else:
+            out.append(op)
+    return out
+
+
+def add_step_tail(ops: list[Op]) -> list[Op]:
+    return ops + [Op(OpKind.REDUCE_TIED_GRADS), Op(OpKind.REDUCE_GRADS), Op(OpKind.OPTIMIZER_STEP)]
+
+
+def lower(schedule: Schedule, rank: int, *, train: bool = True) -> list[Op]:
+    """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation)."""
+    actions = schedule.ranks[rank]
+    if not train:
+        # Forward-only: run in wavefront order (micro-batch + stage), which any placement
+        # can follow without waiting on a later micro-batch.
+        forwards = [a for a in actions if a.kind is Kind.F]
+        actions = tuple(sorted(forwards, key=lambda a: (a.micro_batch + a.stage, a.stage, a.seq_chunk)))
+    ops = add_communication(schedule, rank, merge_backward(actions))
+    ops = assign_buffers(add_data_loading(schedule, ops))
+    return add_step_tail(ops) if train else ops
+
+
+def format_ops(ops: list[Op]) -> str:
+    return "\n".join(f"{pos:4d}  {op}" for pos, op in enumerate(ops))

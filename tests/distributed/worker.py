@@ -1,0 +1,238 @@
+"""One launch, many checks: run each case on real gloo ranks and write what was measured.
+
+Launched by tests/distributed/launch.py under torchrun. Every case builds the same small
+model as a PipelineModule and as a plain nn.Sequential reference, trains both for a few
+optimizer steps with gradient clipping, and records the pipeline's losses and every local
+parameter's largest difference from the reference. Each rank writes one JSON file; the
+pytest side asserts on them, so a failure names the case and the rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+import deepspeed
+import ds_vshape
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+DIM = 8
+ROWS = 4  # micro-batch size
+
+
+class Block(nn.Module):
+    """Linear + norm + tanh: exercises the split linear path and the autograd fallback."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.fc(x))) + x
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int = 11, dim: int = DIM) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+def _head(embed: Embed, x: torch.Tensor) -> torch.Tensor:
+    return x @ embed.weight.t()
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _layers(n: int, seed: int) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [Block() for _ in range(n)]
+
+
+def _data(case: dict[str, Any], steps: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234 + case.get("data_seed", 0))
+    out = []
+    for _ in range(steps * m):
+        if case.get("tied"):
+            ids = torch.randint(0, 11, (ROWS, 3), generator=g)
+            out.append((ids, torch.randint(0, 11, (ROWS, 3), generator=g)))
+        else:
+            out.append((torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)))
+    return out
+
+
+def _config(case: dict[str, Any], m: int) -> dict[str, Any]:
+    pipeline = {"schedule": case["schedule"]} if case["schedule"] else {}
+    pipeline.update(case.get("pipeline", {}))
+    return {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_accumulation_steps": m,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.2}},
+        "gradient_clipping": case.get("clip", 0.05),
+        "zero_optimization": {"stage": case.get("zero", 0)},
+        "pipeline": pipeline,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _build(case: dict[str, Any], p: int) -> tuple[PipelineModule, nn.Module, Any]:
+    n = case.get("layers", 8)
+    if case.get("tied"):
+        torch.manual_seed(7)
+        embed = Embed()
+        blocks = _layers(n - 2, seed=11)
+        ref = _TiedReference(copy.deepcopy(embed), [copy.deepcopy(b) for b in blocks])
+        specs = [TiedLayerSpec("embed", _Clone, embed)] + blocks + [TiedLayerSpec("embed", _Clone, embed, forward_fn=_head)]
+        return PipelineModule(specs, num_stages=p, loss_fn=_ce, partition_method="uniform"), ref, _ce
+    blocks = _layers(n, seed=5)
+    ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
+    if case.get("layerspec"):
+        # LayerSpecs are rebuilt on each rank: seed them so both sides agree.
+        specs = [LayerSpec(_SeededBlock, 100 + i) for i in range(n)]
+        ref = nn.Sequential(*[_SeededBlock(100 + i) for i in range(n)])
+        return PipelineModule(specs, num_stages=p, loss_fn=_mse, partition_method="uniform",
+                              activation_checkpoint_interval=case.get("ckpt", 0)), ref, _mse
+    return PipelineModule(blocks, num_stages=p, loss_fn=_mse, partition_method="uniform",
+                          activation_checkpoint_interval=case.get("ckpt", 0)), ref, _mse
+
+
+class _SeededBlock(Block):
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        super().__init__()
+
+
+class _Clone(Embed):
+    def __init__(self, src: Embed) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(src.weight.detach().clone())
+
+
+class _TiedReference(nn.Module):
+    def __init__(self, embed: Embed, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed, self.blocks = embed, nn.Sequential(*blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _head(self.embed, self.blocks(self.embed(ids)))
+
+
+def _reference(ref: nn.Module, loss_fn: Any, data: list, m: int, steps: int, clip: float) -> list[float]:
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for x, y in data[step * m : (step + 1) * m]:
+            loss = loss_fn(ref(x), y)
+            (loss / m).backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        losses.append(total / m)
+    return losses
+
+
+def _param_diff(engine: Any, ref: nn.Module, case: dict[str, Any]) -> float:
+    """Largest |pipeline - reference| over this rank's parameters, matched by layer index."""
+    module = engine.module
+    worst = 0.0
+    ref_layers = _ref_layers(ref, case)
+    for name, param in module.named_parameters():
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":
+            ref_param = ref.embed.weight
+        else:
+            ref_param = dict(ref_layers[int(head)].named_parameters())[rest]
+        worst = max(worst, (param.detach() - ref_param.detach()).abs().max().item())
+    return worst
+
+
+def _ref_layers(ref: nn.Module, case: dict[str, Any]) -> list[nn.Module]:
+    if case.get("tied"):
+        return [ref.embed] + list(ref.blocks) + [ref.embed]
+    return list(ref)
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    p = case["p"]
+    m = case["m"]
+    steps = case.get("steps", 2)
+    model, ref, loss_fn = _build(case, p)
+    engine, *_ = ds_vshape.initialize(model=model, config=_config(case, m))
+    data = _data(case, steps, m)
+    it = iter(data)
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None)}
+    result["ref_losses"] = _reference(ref, loss_fn, data, m, steps, case.get("clip", 0.05))
+    result["param_diff"] = _param_diff(engine, ref, case)
+    if case.get("eval"):
+        result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
+        ref.eval()
+        with torch.no_grad():
+            result["ref_eval_loss"] = sum(loss_fn(ref(x), y).item() for x, y in data[:m]) / m
+    if case.get("checkpoint"):
+        result.update(_checkpoint_roundtrip(engine, case, p, m))
+    return result
+
+
+def _checkpoint_roundtrip(engine: Any, case: dict[str, Any], p: int, m: int) -> dict[str, Any]:
+    """Save under this case's schedule, load under another, compare every parameter."""
+    root = case["checkpoint"]["dir"]
+    engine.save_checkpoint(root, tag="t")
+    other = dict(case, schedule=case["checkpoint"]["load_as"])
+    model, _, _ = _build(other, p)
+    engine2, *_ = ds_vshape.initialize(model=model, config=_config(other, m))
+    engine2.load_checkpoint(root, tag="t", load_optimizer_states=False, load_lr_scheduler_states=False)
+    mine = {n: t for n, t in _by_layer(engine).items()}
+    theirs = _by_layer(engine2)
+    files = sorted(f for f in os.listdir(os.path.join(root, "t")) if f.startswith("layer_"))
+    shared = set(mine) & set(theirs)
+    # Each rank compares the layers both placements gave it; together the ranks cover all.
+    diff = max((float((mine[k] - theirs[k]).abs().max()) for k in shared), default=0.0)
+    return {"ckpt_files": files, "ckpt_diff": diff, "ckpt_compared": len(shared)}
+
+
+def _by_layer(engine: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def main() -> None:
+    cases = json.load(open(sys.argv[1]))
+    out_dir = sys.argv[2]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ.get("RANK", "0"))
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = run_case(case)
+        except Exception as err:  # recorded per case so one failure does not hide the rest
+            results[case["name"]] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            if case.get("fatal_on_error", True) is False:
+                continue
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = os.environ.get("TMPDIR", tempfile.gettempdir())
+    main()
