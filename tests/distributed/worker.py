@@ -180,6 +180,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     model, ref, loss_fn = _build(case, p)
     engine, *_ = ds_vshape.initialize(model=model, config=_config(case, m))
     data = _data(case, steps, m)
+    if case.get("idle_rank") is not None:
+        if int(os.environ["RANK"]) == case["idle_rank"]:
+            return {"idle": True}
+        engine.train_batch(iter(data))  # the idle rank never answers: this must fail, not hang
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None)}

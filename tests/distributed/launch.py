@@ -1,0 +1,36 @@
+"""Launch worker.py on N real gloo ranks once for a list of cases; return per-rank results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600) -> list[dict[str, Any]]:
+    """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases_file = workdir / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           str(WORKER), str(cases_file), str(workdir)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
