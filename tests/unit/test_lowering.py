@@ -1,0 +1,55 @@
+"""Each lowering pass alone, then the chain, on small hand-built schedules."""
+
+from __future__ import annotations
+
+from ds_vshape.schedules import BW, B, F, Schedule, W, generate
+from ds_vshape.schedules.lowering import (
+    Op, OpKind, add_communication, add_data_loading, add_step_tail, assign_buffers, lower, merge_backward,
+)
+
+
+def test_merge_backward_fuses_only_adjacent_pairs_of_the_same_unit() -> None:
+    actions = (F(0, 0), B(0, 0), W(0, 0), F(0, 1), B(0, 1), F(0, 2), W(0, 1))
+    assert merge_backward(actions) == (F(0, 0), BW(0, 0), F(0, 1), B(0, 1), F(0, 2), W(0, 1))
+
+
+def test_communication_is_added_only_between_ranks() -> None:
+    # V placement for p=2: stages 0,3 on rank 0, stages 1,2 on rank 1; 1 -> 2 is a local hand-off.
+    sched = generate("1f1b", 2, 2)
+    ops = add_communication(sched, 0, sched.ranks[0])
+    kinds = [op.kind for op in ops]
+    assert kinds.count(OpKind.SEND_ACT) == 2 and kinds.count(OpKind.RECV_GRAD) == 2
+    assert OpKind.RECV_ACT not in kinds and OpKind.SEND_GRAD not in kinds
+    v = Schedule.from_text(["0F0 3F0 3BW0 0BW0", "1F0 2F0 2BW0 1BW0"], name="v", micro_batches=1, stage_to_rank=[0, 1, 1, 0])
+    rank1 = add_communication(v, 1, v.ranks[1])
+    assert [op.kind for op in rank1] == [
+        OpKind.RECV_ACT, OpKind.FORWARD, OpKind.FORWARD, OpKind.SEND_ACT,
+        OpKind.RECV_GRAD, OpKind.BACKWARD, OpKind.BACKWARD, OpKind.SEND_GRAD,
+    ]
+    assert rank1[3].stage == 3 and rank1[3].peer == 0  # the send names the consuming stage
+
+
+def test_data_is_loaded_in_order_before_first_use() -> None:
+    sched = generate("gpipe", 2, 3)
+    ops = add_data_loading(sched, add_communication(sched, 1, sched.ranks[1]))
+    loads = [op.micro_batch for op in ops if op.kind is OpKind.LOAD]
+    assert loads == [0, 1, 2]
+    first_fwd = next(i for i, op in enumerate(ops) if op.kind is OpKind.FORWARD)
+    assert ops[first_fwd - 1].kind in (OpKind.LOAD, OpKind.RECV_ACT)
+
+
+def test_buffers_are_reused_and_count_the_peak_in_flight() -> None:
+    sched = generate("1f1b", 4, 8)
+    ops = assign_buffers(add_communication(sched, 0, sched.ranks[0]))
+    used = {op.buffer for op in ops if op.buffer is not None}
+    assert used == set(range(4))  # rank 0 of 1F1B holds p micro-batches at most
+    gpipe = generate("gpipe", 4, 8)
+    assert len({op.buffer for op in assign_buffers(add_communication(gpipe, 0, gpipe.ranks[0])) if op.buffer is not None}) == 8
+
+
+def test_step_tail_and_forward_only_lowering() -> None:
+    assert [op.kind for op in add_step_tail([])] == [OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP]
+    sched = generate("zb-h1", 2, 4)
+    ops = lower(sched, 1, train=False)
+    assert all(op.kind in (OpKind.LOAD, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT) for op in ops)
+    assert str(Op(OpKind.FORWARD, 1, 3, buffer=0)) == "forward s1 mb3 buf0"
