@@ -1,0 +1,228 @@
+"""``ds-vshape`` / ``python -m ds_vshape``: export, simulate, compare and list schedules.
+
+Everything here runs on the pure schedule layer: no torch, no deepspeed, no GPU. User
+errors (unknown schedule, too few micro-batches, ...) become one line on stderr and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .schedules.costs import Costs
+from .schedules.ir import Schedule
+from .schedules.registry import GeneratorInfo, generate, get_info, schedule_names
+from .schedules.render import (
+    BASELINE,
+    ascii_timeline,
+    chrome_trace,
+    compare_rows,
+    format_table,
+    plot_timeline,
+    rank_rows,
+)
+from .schedules.simulate import SimResult, simulate
+from .schedules.validate import ScheduleError
+
+__all__ = ["main", "build_parser"]
+
+_EXIT_USAGE = 2  # argparse's own status for bad usage; we use it for every user error
+_EXIT_IO = 1
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "ds-vshape") -> int:
+    """Run one command; returns the exit status (the console script passes it to sys.exit)."""
+    parser = build_parser(prog=prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, or argparse's own usage error (already printed)
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else _EXIT_USAGE)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except ScheduleError as err:
+        # A generator produced a broken schedule: a bug, and the grid in the message is the clue.
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return _EXIT_USAGE
+    except ValueError as err:
+        print(f"{prog}: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return _EXIT_USAGE
+    except OSError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return _EXIT_IO
+
+
+# ---- parser -------------------------------------------------------------------------------
+def build_parser(*, prog: str = "ds-vshape") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Pipeline-parallel schedules for DeepSpeed: export, simulate, compare.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    export = sub.add_parser("export", help="print one schedule as JSON (the stable export contract)")
+    _add_schedule_options(export)
+    _add_cost_options(export, memory=False)
+    export.set_defaults(handler=_cmd_export)
+
+    sim = sub.add_parser("simulate", help="simulate one schedule: table, ASCII timeline, optional plot and trace")
+    _add_schedule_options(sim)
+    _add_cost_options(sim, memory=True)
+    sim.add_argument("--width", type=int, metavar="N", help="characters of the ASCII timeline (default: fit passes, at most 160)")
+    sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG timeline (needs matplotlib)")
+    sim.add_argument("--trace", type=Path, metavar="FILE.json", help="write a Chrome trace (open in ui.perfetto.dev)")
+    sim.set_defaults(handler=_cmd_simulate)
+
+    cmp = sub.add_parser("compare", help="simulate every schedule at one (p, m) and tabulate against 1f1b")
+    _add_schedule_options(cmp, with_name=False)
+    _add_cost_options(cmp, memory=True)
+    cmp.add_argument("--format", choices=("text", "markdown"), default="text", help="table style (default text)")
+    cmp.set_defaults(handler=_cmd_compare)
+
+    lst = sub.add_parser("list", help="list the schedules, their aliases and the options they take")
+    lst.set_defaults(handler=_cmd_list)
+    return parser
+
+
+def _add_schedule_options(parser: argparse.ArgumentParser, *, with_name: bool = True) -> None:
+    if with_name:
+        parser.add_argument("--schedule", "-s", required=True, metavar="NAME", help="schedule name or alias (see 'list')")
+    parser.add_argument("--stages", "-p", type=int, required=True, metavar="P", help="pipeline ranks p")
+    parser.add_argument("--micro-batches", "-m", type=int, required=True, metavar="M", help="micro-batches per step")
+    parser.add_argument("--chunks", "-v", type=int, metavar="V", help="model chunks per rank, for schedules that let you pick")
+    parser.add_argument("--seq-chunks", "-k", type=int, metavar="K", help="sequence chunks, for schedules that cut sequences")
+    parser.add_argument("--memory-limit", type=float, metavar="X", help="activation memory limit in M_B, for schedules that take one")
+
+
+def _add_cost_options(parser: argparse.ArgumentParser, *, memory: bool) -> None:
+    group = parser.add_argument_group("pass costs (relative; a rank with v chunks runs each in 1/v of these)")
+    group.add_argument("--t-f", type=float, default=1.0, metavar="T", help="forward time (default 1)")
+    group.add_argument("--t-b", type=float, default=1.0, metavar="T", help="input-gradient time (default 1)")
+    group.add_argument("--t-w", type=float, default=1.0, metavar="T", help="weight-gradient time (default 1)")
+    group.add_argument("--t-comm", type=float, default=0.0, metavar="T", help="latency of one hop between ranks (default 0)")
+    if memory:
+        group.add_argument("--kept-until-w", type=float, default=0.0, metavar="S",
+                           help="share of a unit's activation that B keeps for W, 0..1 (default 0)")
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    return Costs(f=args.t_f, b=args.t_b, w=args.t_w, comm=args.t_comm)
+
+
+def _kept_until_w(args: argparse.Namespace) -> float:
+    share = float(args.kept_until_w)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--kept-until-w must be between 0 and 1, got {share}")
+    return share
+
+
+def _generate(args: argparse.Namespace, costs: Costs) -> Schedule:
+    return generate(
+        args.schedule,
+        args.stages,
+        args.micro_batches,
+        chunks=args.chunks,
+        seq_chunks=args.seq_chunks,
+        memory_limit=args.memory_limit,
+        costs=costs,
+    )
+
+
+# ---- commands -----------------------------------------------------------------------------
+def _cmd_export(args: argparse.Namespace) -> int:
+    print(json.dumps(_generate(args, _costs(args)).to_dict()))
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    costs, kept = _costs(args), _kept_until_w(args)
+    if args.width is not None and args.width < 10:
+        raise ValueError(f"--width must be at least 10, got {args.width}")
+    schedule = _generate(args, costs)
+    result = simulate(schedule, costs, kept_until_w=kept)
+    baseline = _baseline(args.stages, args.micro_batches, costs, kept)
+    print(_simulate_header(schedule, costs, kept))
+    print()
+    print(_summary_table(result, baseline))
+    print()
+    print(rank_rows(result, baseline))
+    print()
+    print(ascii_timeline(result, schedule, width=args.width))
+    _write_outputs(args, result, schedule)
+    return 0
+
+
+def _baseline(p: int, m: int, costs: Costs, kept: float) -> SimResult | None:
+    try:
+        return simulate(generate(BASELINE, p, m, costs=costs), costs, kept_until_w=kept)
+    except ValueError:  # the baseline cannot serve these p, m: ratios become '-'
+        return None
+
+
+def _simulate_header(schedule: Schedule, costs: Costs, kept: float) -> str:
+    return (
+        f"{schedule.name}: p={schedule.stages} m={schedule.micro_batches} v={schedule.chunks_per_rank} "
+        f"k={schedule.seq_chunks}  (costs f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}, "
+        f"kept until W={kept:g})"
+    )
+
+
+def _summary_table(result: SimResult, baseline: SimResult | None) -> str:
+    rows = [
+        ("makespan", result.makespan, baseline.makespan if baseline else None, "{:.2f}"),
+        ("bubble rate", result.bubble_rate, baseline.bubble_rate if baseline else None, "{:.1%}"),
+        ("peak memory (M_B, busiest rank)", result.max_peak_memory, baseline.max_peak_memory if baseline else None, "{:.2f}"),
+    ]
+    cells = [["", "this", BASELINE, "ratio"]]
+    for label, value, ref, fmt in rows:
+        ratio = "-" if not ref else f"{value / ref:.2f}x"
+        cells.append([label, fmt.format(value), "-" if ref is None else fmt.format(ref), ratio])
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    return "\n".join(
+        "  ".join([c[0].ljust(widths[0])] + [c[i].rjust(widths[i]) for i in range(1, 4)]).rstrip() for c in cells
+    )
+
+
+def _write_outputs(args: argparse.Namespace, result: SimResult, schedule: Schedule) -> None:
+    if args.plot is not None:
+        plot_timeline(result, schedule, args.plot)
+        print(f"wrote plot to {args.plot}", file=sys.stderr)
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(chrome_trace(result, schedule)))
+        print(f"wrote Chrome trace to {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    rows = compare_rows(
+        args.stages,
+        args.micro_batches,
+        costs=_costs(args),
+        chunks=args.chunks,
+        seq_chunks=args.seq_chunks,
+        memory_limit=args.memory_limit,
+        kept_until_w=_kept_until_w(args),
+    )
+    print(format_table(rows, style=args.format))
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    headers = ["schedule", "v", "options", "aliases", "summary"]
+    cells = [_list_cells(get_info(name)) for name in schedule_names()]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
+    for line in [headers, ["-" * w for w in widths]] + cells:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+    return 0
+
+
+def _list_cells(info: GeneratorInfo) -> list[str]:
+    chunks = str(info.fixed_chunks) if info.fixed_chunks is not None else "any (default 2)"
+    flags = [
+        ("--chunks", info.fixed_chunks is None),
+        ("--seq-chunks", info.seq_chunks),
+        ("--memory-limit", info.memory_limit),
+        ("costs", info.uses_costs),
+    ]
+    options = ", ".join(flag for flag, on in flags if on) or "-"
+    return [info.name, chunks, options, ", ".join(info.aliases) or "-", info.summary]
