@@ -1,0 +1,220 @@
+"""V-shape schedules with controllable memory (Qi, Wan, Amar, Lin, NeurIPS 2024, arXiv 2405.15362).
+
+Every rank holds two chunks in V placement (rank r: model stages r and 2p-1-r) and splits
+the backward into B and W. The schedules differ only in their building block, whose
+lifespan sets the activation memory (see ``_blocks`` for the framework):
+
+- ``v-min``: the tightest chain, one slot per hop; peak <= floor((p+4)/3) M_B.
+- ``v-half``: F0 and B1 two slots per hop; peak <= floor((p+2)/2) M_B.
+- ``v-zb`` (``zb-v``): offsets [5,-1,5,-1] on every rank; peak <= p M_B and no idle slot
+  inside any rank's span once m >= 2p.
+- ``v-adaptive``: the lowest-bubble block of the offset family (plus the three above) whose
+  peak fits ``memory_limit`` (in M_B, default p).
+
+Peaks are the simulator's default count (an activation is freed by its B). Delayed W passes
+are bounded too: F minus W never exceeds twice the budget (see ``_squeeze``).
+
+V-Min and V-Half are themselves members of the offset family: their REFERENCE offsets are
+[1,-1,1,-1] and [2,-1,2,-1] from their own rank-0 residues (the unit tests check this).
+
+Bubbles are counted as the paper counts them: idle slots inside each rank's own span, from
+its first pass to its last. With optimizer post-validation a rank starts its next step as
+soon as it ends this one, so the p-1 slots by which the last rank necessarily starts later
+than rank 0 do not recur; ``span_idle`` gives that figure from a simulation. Counted from
+slot 0 instead (``SimResult.idle``), no V schedule can go below p-1 slots per rank, and V-ZB
+reaches exactly that.
+
+All four work in the slot model (unit pass costs, no communication); ``costs`` is accepted
+for the common generator signature and does not change the order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from ..costs import Costs
+from ..ir import Schedule
+from ..placement import vshape
+from ..registry import register
+from ..simulate import SimResult
+from . import _blocks as blocks
+
+__all__ = [
+    "v_zb", "v_half", "v_min", "v_adaptive", "vzb_block", "vmin_budget", "vhalf_budget", "span_idle",
+]
+
+_SUMMARY = "V placement, split backward; "
+
+
+def span_idle(result: SimResult) -> tuple[float, ...]:
+    """Idle time inside each rank's own span (its first pass's start to its last pass's end)."""
+    return tuple((t[-1][1] - t[0][0]) - sum(e - s for s, e, _ in t) if t else 0.0 for t in result.timeline)
+
+
+def vzb_block(p: int) -> blocks.Block:
+    """V-ZB: every rank's residues are rank 0's shifted by -1 (offsets [5,-1,5,-1]).
+
+    F0 and B1 wait five slots per hop, so rank 0's first chunk lives almost 2p periods:
+    with the second chunk, 2p half-chunk activations (p M_B) in flight, which is what it
+    takes to have a runnable pass in every slot of the warm-up and the cool-down.
+    """
+    block = blocks.offset_block(p, (0, 1, 2, 3), (5, -1, 5, -1), (5, -1, 5, -1), p - 1)
+    assert block is not None  # a uniform shift never makes two residues of a rank collide
+    return block
+
+
+def vmin_budget(p: int) -> int:
+    """V-Min's activation budget in half-chunk units: floor((p+4)/3) M_B."""
+    return 2 * ((p + 4) // 3)
+
+
+def vhalf_budget(p: int) -> int:
+    """V-Half's activation budget in half-chunk units: floor((p+2)/2) M_B."""
+    return 2 * ((p + 2) // 2)
+
+
+def _any_m(p: int, v: int, k: int) -> int:
+    # Repeating a valid block is itself a valid timing for any number of micro-batches.
+    return 1
+
+
+@register("v-zb", aliases=("zb-v",), fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "zero bubble at peak memory p")
+def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
+    return _build("v-zb", p, m, vzb_block(p), 2 * p)
+
+
+@register("v-half", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "about half of 1F1B's bubble and memory")
+def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
+    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p))
+
+
+@register("v-min", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble")
+def v_min(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
+    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p))
+
+
+def _build(name: str, p: int, m: int, block: blocks.Block, budget: int, **params: object) -> Schedule:
+    """Repeat, squeeze and fill W; the budget never goes below what the block itself holds."""
+    _require_sizes(name, p, m)
+    squeezed = _squeeze(p, m, block, budget)
+    assert squeezed is not None  # no give_up, so never abandoned
+    info = {
+        "block": [list(slots) for slots in block],
+        "peak_memory": squeezed.peak() / 2,
+        "peak_memory_until_w": squeezed.peak(until_w=True) / 2,
+        "span_idle_slots": max(squeezed.span_idle),
+        **params,
+    }
+    return Schedule(name, p, m, 2, 1, vshape(p), squeezed.actions(), params=info)
+
+
+def _require_sizes(name: str, p: int, m: int) -> None:
+    # generate() checks these too; direct calls (tests, tools) get the same message.
+    if p < 2 or m < _any_m(p, 2, 1):
+        raise ValueError(f"schedule {name!r} needs p >= 2 and at least {_any_m(p, 2, 1)} micro-batch, got p={p}, m={m}")
+
+
+def _squeeze(p: int, m: int, block: blocks.Block, budget: int, *, give_up: int | None = None) -> blocks.Squeezed | None:
+    blocks.check_block(block)
+    orders = blocks.repeat(block, m)
+    cap = max(budget, blocks.order_peak(orders))
+    # A W may wait for a free slot, but the activations its backlog holds never exceed the
+    # budget a second time: F minus W stays within 2 * cap, so memory stays bounded even
+    # when a runtime keeps everything until W.
+    return blocks.squeeze(p, m, orders, cap=cap, w_cap=2 * cap, give_up=give_up)
+
+
+# ---- v-adaptive --------------------------------------------------------------------------
+# The paper's search space: rank 0's residues (F0, F1, B1, B0), then offsets [k, -1, k, -1]
+# for the first ranks and [1, -1, 1, -1] for the rest. A sweep of all 60 bases and all pairs
+# k >= k' (p = 4..8 and 10, m = 4p) found that the rest never needs k' > 1, and that these
+# three bases with k in {1, 3, 5} give up 5 idle slots in all, summed over every p and every
+# budget up to 2p, against the full space, for a tenth of the blocks to try.
+_BASES = ((0, 3, 4, 1), (0, 3, 2, 1), (0, 3, 4, 5))
+_STEPS = (1, 3, 5)
+_TIGHT = (1, -1, 1, -1)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    level: int  # half-chunk activations the squeezed schedule may hold (its budget)
+    block: blocks.Block
+    label: str
+
+
+@register(
+    "v-adaptive", fixed_chunks=2, memory_limit=True, min_micro_batches=_any_m,
+    summary=_SUMMARY + "lowest-bubble block within memory_limit (in M_B, default p)",
+)
+def v_adaptive(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
+    _require_sizes("v-adaptive", p, m)
+    best = _choose(p, m, _cap(p, memory_limit))
+    if best is None:
+        low = min(c.level for c in _pool(p, m)) / 2
+        raise ValueError(f"v-adaptive with p={p}, m={m} needs memory_limit >= {low:g} (in M_B), got {memory_limit}")
+    limit = p if memory_limit is None else memory_limit
+    return _build("v-adaptive", p, m, best.block, best.level, memory_limit=limit, choice=best.label)
+
+
+def _cap(p: int, memory_limit: float | None) -> int:
+    """The limit in half-chunk activations; anything from p M_B up (V-ZB's need) is p."""
+    if memory_limit is None or memory_limit >= p:
+        return 2 * p
+    if not memory_limit > 0:  # also rejects NaN
+        raise ValueError(f"memory_limit is in units of M_B and must be > 0, got {memory_limit}")
+    return math.floor(2 * memory_limit + 1e-9)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(p: int, m: int, cap: int) -> _Candidate | None:
+    """The candidate within ``cap`` with the fewest idle slots, then the least memory.
+
+    Idle slots come from the warm-up and the cool-down only and settle once m reaches about
+    2p, so candidates are compared there (exactly at m when m <= 2p). The minimum is exact:
+    a candidate is dropped only once it has idled more than the best so far. Scores do not
+    depend on ``cap``, so a larger limit only adds candidates and the bubble can only fall.
+    """
+    fitting = sorted((c for c in _pool(p, m) if c.level <= cap), key=lambda c: -c.level)
+    best: _Candidate | None = None
+    best_key = ((0, 0), 0)
+    for cand in fitting:  # most memory first: usually the fewest bubbles, so a tight bound early
+        give_up = best_key[0][0] if best else None
+        squeezed = _squeeze(p, min(m, 2 * p), cand.block, cand.level, give_up=give_up)
+        if squeezed is not None and (best is None or (squeezed.score, cand.level) < best_key):
+            best, best_key = cand, (squeezed.score, cand.level)
+    return best
+
+
+@functools.lru_cache(maxsize=64)
+def _pool(p: int, m: int) -> tuple[_Candidate, ...]:
+    """The REFERENCE blocks at their budgets and the offset family at its own peak, each
+    with the memory level it has at m; none above V-ZB's 2p, which would buy nothing."""
+    fixed = [
+        (blocks.vmin_block(p), vmin_budget(p), "v-min block"),
+        (blocks.vhalf_block(p), vhalf_budget(p), "v-half block"),
+        (vzb_block(p), 2 * p, "v-zb block"),
+    ]
+    family = [(block, 0, label) for block, label in _family(p)]
+    pool = (_Candidate(max(budget, _level(block, m)), block, label) for block, budget, label in fixed + family)
+    return tuple(c for c in pool if c.level <= 2 * p)
+
+
+def _family(p: int) -> list[tuple[blocks.Block, str]]:
+    """Distinct valid blocks of the search space, with a label naming their parameters."""
+    seen: dict[blocks.Block, str] = {}
+    for base in _BASES:
+        for k in _STEPS:
+            for n_first in range(1, p) if k > 1 else (p - 1,):
+                block = blocks.offset_block(p, base, (k, -1, k, -1), _TIGHT, n_first)
+                if block is not None and block not in seen:
+                    seen[block] = f"base={list(base)} offsets=[{k},-1,{k},-1] on ranks 1..{n_first}"
+    return list(seen.items())
+
+
+def _level(block: blocks.Block, m: int) -> int:
+    """The block's own peak at m. It stops growing once the first micro-batch's B0 comes
+    before the last one's F0, so a few micro-batches past the longest lifespan suffice."""
+    longest = max(slots[3] - slots[0] for slots in block)
+    return blocks.order_peak(blocks.repeat(block, min(m, longest // blocks.PERIOD + 2)))
