@@ -34,11 +34,13 @@ class VShapeEngine(PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, vs_config: Any, **kwargs: Any) -> None:
-        module = kwargs["model"]
-        # PipelineEngine.__init__ already asks is_first_stage()/is_last_stage(); they must
-        # answer for our placement from the start (nn.Module.__init__ has not run yet).
-        object.__setattr__(self, "_vs_placement", tuple(module.placement))
+        # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
+        # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
+        object.__setattr__(self, "_vs_placement", None)
         super().__init__(*args, **kwargs)
+        self._vs_placement = tuple(kwargs["model"].placement)
+        if self.training_data is not None:
+            self._build_data_iter(self.training_data)  # again: first/last rank changed meaning
         self.vs_config = vs_config
         self.schedule: Schedule = generate(
             vs_config.schedule, self.num_stages, self.micro_batches,
@@ -62,9 +64,13 @@ class VShapeEngine(PipelineEngine):
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------
     def is_first_stage(self) -> bool:
+        if self._vs_placement is None:
+            return super().is_first_stage()
         return self._vs_placement[0] == self.stage_id
 
     def is_last_stage(self) -> bool:
+        if self._vs_placement is None:
+            return super().is_last_stage()
         return self._vs_placement[-1] == self.stage_id
 
     def _loss_stage_global_rank(self) -> int:

@@ -90,7 +90,7 @@ class PipelineModule(_DSPipelineModule):
         return spec  # a plain function
 
     def stage_modules(self, stage: int) -> list[nn.Module]:
-        return [f.func.args[0] if isinstance(f, partial) else f for f in self.stage_funcs[stage] if isinstance(f, (nn.Module, partial))]
+        return [f.args[0] if isinstance(f, partial) else f for f in self.stage_funcs[stage] if isinstance(f, (nn.Module, partial))]
 
     # ---- forward --------------------------------------------------------------------------
     def forward_stage(self, stage: int, inputs: Any) -> Any:

@@ -79,7 +79,8 @@ def _data(case: dict[str, Any], steps: int, m: int) -> list[tuple[torch.Tensor, 
 
 
 def _config(case: dict[str, Any], m: int) -> dict[str, Any]:
-    pipeline = {"schedule": case["schedule"]} if case["schedule"] else {}
+    # A short transfer timeout: a broken case fails in a minute instead of hanging the suite.
+    pipeline = {"schedule": case["schedule"], "p2p_timeout_s": 60} if case["schedule"] else {}
     pipeline.update(case.get("pipeline", {}))
     return {
         "train_micro_batch_size_per_gpu": ROWS,
