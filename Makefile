@@ -1,0 +1,44 @@
+# Everything installs itself into a local .venv; nothing is needed beforehand
+# but python3 (>= 3.10) with venv.  A GPU user picks another torch build, e.g.
+#   make venv TORCH_SPEC="torch==2.6.0 --index-url <your CUDA wheel index>"
+# (the stamp only tracks pyproject.toml: `make clean-venv` to change torch).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# DeepSpeed picks its accelerator at import time; tests run on the CPU.
+TEST_ENV := DS_ACCELERATOR=cpu
+
+.PHONY: venv test test-unit test-distributed train bench clean-venv
+
+venv: $(STAMP)
+
+# torch goes first so that deepspeed (built from source) and the rest see it
+# and pip does not pull a different, CUDA-laden torch to satisfy `torch>=2.4`.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+test: venv
+	$(TEST_ENV) $(BIN)/pytest -q tests
+
+test-unit: venv
+	$(TEST_ENV) $(BIN)/pytest -q tests/unit
+
+test-distributed: venv
+	$(TEST_ENV) $(BIN)/pytest -q -m distributed tests
+
+# Default end-to-end training recipe.
+train: venv
+	PATH="$(abspath $(BIN)):$$PATH" bash recipes/run_default.sh
+
+# Schedule benchmarks (see benchmarks/run.sh).
+bench: venv
+	PATH="$(abspath $(BIN)):$$PATH" bash benchmarks/run.sh
+
+clean-venv:
+	rm -rf $(VENV)

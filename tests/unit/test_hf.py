@@ -1,0 +1,389 @@
+"""ds_vshape.hf: pipeline layers of tiny HF causal LMs reproduce the model exactly."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from safetensors import safe_open
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    T5Config,
+)
+
+from ds_vshape import hf
+
+VOCAB = 128
+TOL = 1e-5
+
+# Where each architecture keeps its parts (only used to state expectations).
+ANATOMY = {
+    "gpt2": {"layers": "transformer.h", "prologue": "transformer.", "epilogue": ("transformer.ln_f.", "lm_head.")},
+    "llama": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+    "mistral": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+    "qwen2": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+}
+
+
+def _decoder(**extra: Any) -> dict[str, Any]:
+    return dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        **extra,
+    )
+
+
+def make_config(arch: str, **overrides: Any) -> PretrainedConfig:
+    if arch == "gpt2":  # learned position embeddings, tied head, LayerNorm
+        kwargs = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+        kwargs.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2Config(**{**kwargs, **overrides})
+    if arch == "llama":  # rotary, RMSNorm, untied head
+        return LlamaConfig(**{**_decoder(num_hidden_layers=3), **overrides})
+    if arch == "mistral":  # sliding window (4) shorter than the test sequences
+        return MistralConfig(**{**_decoder(num_hidden_layers=2, sliding_window=4), **overrides})
+    if arch == "qwen2":  # full attention in layers 0-1, sliding in 2-3; tied head
+        extra = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+        return Qwen2Config(**{**_decoder(**extra, tie_word_embeddings=True), **overrides})
+    raise AssertionError(arch)
+
+
+def make_model(arch: str, **overrides: Any) -> PreTrainedModel:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(arch, **overrides))
+    return model.train()  # dropout probabilities are zero: train mode is deterministic
+
+
+def make_batch(seed: int, batch: int = 3, seq: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (batch, seq), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :4] = hf.IGNORE_INDEX  # e.g. a prompt that is not trained on
+    labels[1, 6] = hf.IGNORE_INDEX
+    return input_ids, labels
+
+
+class Sequential:
+    """Runs layer specs in order on one process, building each like PipelineModule does."""
+
+    def __init__(self, specs: list[LayerSpec]) -> None:
+        self.modules: list[nn.Module] = []
+        self.steps: list[Callable[[Any], Any]] = []
+        tied: dict[str, nn.Module] = {}
+        for spec in specs:
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in tied:  # one module per key, shared by both ends
+                    tied[spec.key] = spec.build()
+                    self.modules.append(tied[spec.key])
+                module = tied[spec.key]
+                self.steps.append(functools.partial(spec.forward_fn, module) if spec.forward_fn else module)
+            else:
+                self.modules.append(spec.build())
+                self.steps.append(self.modules[-1])
+
+    def __call__(self, inputs: Any) -> Any:
+        for step in self.steps:
+            inputs = step(inputs)
+        return inputs
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        seen: set[int] = set()
+        for module in self.modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+
+ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layers_reproduce_model_logits_and_loss(arch: str) -> None:
+    model = make_model(arch)
+    specs, loss_fn = hf.pipeline_layers(model)
+    input_ids, labels = make_batch(0)
+    with torch.no_grad():
+        reference = model(input_ids, labels=labels)
+        logits = Sequential(specs)(input_ids)
+    assert logits.shape == (3, 11, VOCAB)
+    torch.testing.assert_close(logits, reference.logits, rtol=0, atol=TOL)
+    assert abs(loss_fn(logits, labels).item() - reference.loss.item()) < TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_interface(arch: str) -> None:
+    model = make_model(arch)
+    specs, _ = hf.pipeline_layers(model)
+    kinds = [spec.typename for spec in specs]
+    tied = arch in ("gpt2", "qwen2")
+    blocks = [hf.HFDecoderBlock] * model.config.num_hidden_layers
+    if tied:
+        assert kinds == [hf.HFEmbedding, *blocks, hf.HFFinalNorm, hf.HFEmbedding]
+        assert isinstance(specs[0], TiedLayerSpec) and isinstance(specs[-1], TiedLayerSpec)
+        assert specs[0].key == specs[-1].key == "embed"
+    else:
+        assert kinds == [hf.HFEmbedding, *blocks, hf.HFLMHead]
+    input_ids, _ = make_batch(1)
+    out = specs[0].build()((input_ids,))  # a 1-tuple works like the bare tensor
+    assert isinstance(out, tuple) and len(out) == 2
+    hidden, key_mask = out
+    assert hidden.is_floating_point() and hidden.shape == (3, 11, 32)
+    assert key_mask.dtype == torch.long and not key_mask.requires_grad and bool((key_mask == 1).all())
+
+
+def test_tied_weight_attr_points_at_the_shared_embedding() -> None:
+    model = make_model("gpt2")
+    specs, _ = hf.pipeline_layers(model)
+    first, last = specs[0], specs[-1]
+    assert first.tied_weight_attr == last.tied_weight_attr
+    module = first.build()
+    # The attribute path DeepSpeed uses to all-reduce the tied gradient.
+    weight = PipelineModule._recursive_getattr(module, first.tied_weight_attr[0])
+    assert weight is model.transformer.wte.weight is model.lm_head.weight
+
+
+def test_sliding_window_is_exercised() -> None:
+    # Guard for the Mistral/Qwen2 cases: with these shapes the window matters.
+    model = make_model("mistral")
+    full = make_model("mistral", sliding_window=None)
+    full.load_state_dict(model.state_dict())
+    input_ids, _ = make_batch(2)
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids).logits, full(input_ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_padding_is_masked_like_attention_mask(arch: str) -> None:
+    model = make_model(arch, pad_token_id=0)
+    input_ids, labels = make_batch(3)
+    input_ids[0, -4:] = 0  # right padding
+    input_ids[2, :3] = 0  # left padding
+    labels[input_ids == 0] = hf.IGNORE_INDEX
+    attention_mask = (input_ids != 0).long()
+    specs, loss_fn = hf.pipeline_layers(model)
+    with torch.no_grad():
+        reference = model(input_ids, attention_mask=attention_mask, labels=labels)
+        logits = Sequential(specs)(input_ids)
+    torch.testing.assert_close(logits, reference.logits, rtol=0, atol=TOL)
+    assert abs(loss_fn(logits, labels).item() - reference.loss.item()) < TOL
+    # The padding really changes the result, and can be switched off.
+    unmasked_specs, _ = hf.pipeline_layers(model, mask_padding=False)
+    with torch.no_grad():
+        unmasked = Sequential(unmasked_specs)(input_ids)
+        torch.testing.assert_close(unmasked, model(input_ids).logits, rtol=0, atol=TOL)
+    assert not torch.allclose(unmasked, logits, atol=1e-4)
+
+
+class CountingSafeOpen:
+    """safe_open wrapper recording every tensor read."""
+
+    reads: ClassVar[list[str]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._handle = safe_open(*args, **kwargs)
+
+    def __enter__(self) -> CountingSafeOpen:
+        self._inner = self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self._inner.keys())
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        CountingSafeOpen.reads.append(key)
+        return self._inner.get_tensor(key)
+
+
+def _checkpoint_keys(directory: Path) -> set[str]:
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
+def _expected_reads(arch: str, spec: LayerSpec, keys: set[str], index: int) -> set[str]:
+    parts = ANATOMY[arch]
+    if spec.typename is hf.HFDecoderBlock:
+        block = f"{parts['layers']}.{spec.module_args[1]}."
+        return {k for k in keys if k.startswith(block)}
+    if spec.typename is hf.HFEmbedding and index == 0:
+        body = {k for k in keys if k.startswith(parts["prologue"])}
+        return {k for k in body if not k.startswith((parts["layers"] + ".", *parts["epilogue"]))}
+    if spec.typename is hf.HFEmbedding:
+        return set()  # the tied head reuses the module built for layer 0
+    return {k for k in keys if k.startswith(parts["epilogue"])}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_directory_source_reads_only_own_weights(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model(arch)
+    model.save_pretrained(tmp_path)
+    keys = _checkpoint_keys(tmp_path)
+    monkeypatch.setattr(hf, "safe_open", CountingSafeOpen)
+    CountingSafeOpen.reads = []
+    specs, loss_fn = hf.pipeline_layers(tmp_path)
+    assert CountingSafeOpen.reads == []  # planning reads no tensor
+    built_from_instance = [spec.build() for spec in hf.pipeline_layers(model)[0]]
+    assert hf.parameter_counts(specs) == [sum(p.numel() for p in m.parameters()) for m in built_from_instance]
+    assert CountingSafeOpen.reads == []  # counting parameters reads none either
+    tied: dict[str, nn.Module] = {}
+    every_read: list[str] = []
+    for index, spec in enumerate(specs):
+        CountingSafeOpen.reads = []
+        if not isinstance(spec, TiedLayerSpec):
+            spec.build()
+        elif spec.key not in tied:  # PipelineModule builds a tied key once per rank
+            tied[spec.key] = spec.build()
+        assert set(CountingSafeOpen.reads) == _expected_reads(arch, spec, keys, index), spec
+        every_read += CountingSafeOpen.reads
+    assert sorted(every_read) == sorted(keys)  # every stored tensor read exactly once overall
+
+    input_ids, labels = make_batch(4)
+    with torch.no_grad():
+        reference = model(input_ids, labels=labels)
+        logits = Sequential(specs)(input_ids)
+    torch.testing.assert_close(logits, reference.logits, rtol=0, atol=TOL)
+    assert abs(loss_fn(logits, labels).item() - reference.loss.item()) < TOL
+
+
+def _train(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], params: list[nn.Parameter]) -> list[float]:
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    losses = []
+    for seed in range(3):
+        input_ids, labels = make_batch(10 + seed)
+        optimizer.zero_grad()
+        loss = step(input_ids, labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("source", ["instance", "directory"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sgd_steps_match_model(arch: str, source: str, tmp_path: Path) -> None:
+    model = make_model(arch)
+    reference = copy.deepcopy(model)
+    if source == "directory":
+        model.save_pretrained(tmp_path)
+    specs, loss_fn = hf.pipeline_layers(model if source == "instance" else tmp_path)
+    pipeline = Sequential(specs)
+    params = list(pipeline.parameters())
+    if source == "instance":  # the layers are the model's own modules: every weight, once
+        assert {id(p) for p in params} == {id(p) for p in model.parameters()}
+    assert sum(p.numel() for p in params) == sum(p.numel() for p in reference.parameters())
+
+    expected = _train(lambda ids, labels: reference(ids, labels=labels).loss, list(reference.parameters()))
+    got = _train(lambda ids, labels: loss_fn(pipeline(ids), labels), params)
+    assert expected[0] != expected[-1]  # the steps did change the weights
+    assert got == pytest.approx(expected, abs=TOL)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_config_source_uses_the_models_own_init(arch: str) -> None:
+    config = make_config(arch)
+    specs, loss_fn = hf.pipeline_layers(config, attn_implementation="eager")
+    pipeline = Sequential(specs)
+    model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in pipeline.parameters()) == sum(p.numel() for p in model.parameters())
+    norms = [p for m in pipeline.modules for n, p in m.named_parameters() if p.dim() == 1 and "weight" in n]
+    assert norms and all(bool((p == 1).all()) for p in norms)  # norm weights start at one, as HF inits them
+    embedding = specs[0].build().body.get_input_embeddings().weight
+    assert abs(embedding.std().item() - config.initializer_range) < 0.005
+    input_ids, labels = make_batch(5)
+    loss = loss_fn(pipeline(input_ids), labels)
+    assert abs(loss.item() - torch.log(torch.tensor(float(VOCAB))).item()) < 0.2  # near-uniform at init
+
+
+def test_causal_lm_loss_matches_manual_shift() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=generator)
+    labels = torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 5, 6, 0]])
+    targets = labels[:, 1:].reshape(-1)
+    kept = targets != -100
+    manual = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7)[kept], targets[kept])
+    assert torch.allclose(hf.causal_lm_loss(logits, labels), manual)
+    assert torch.allclose(hf.causal_lm_loss(logits, (labels,)), manual)
+
+
+def test_encoder_only_model_is_rejected() -> None:
+    config = BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
+    )
+    with pytest.raises(ValueError, match="bidirectional"):
+        hf.pipeline_layers(config)
+
+
+def test_encoder_decoder_config_is_rejected() -> None:
+    with pytest.raises(ValueError, match="no causal-LM class"):
+        hf.pipeline_layers(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=VOCAB))
+
+
+def test_logit_softcapping_is_rejected() -> None:
+    config = Gemma2Config(**_decoder(num_hidden_layers=2, head_dim=8), final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="post-processes the LM head logits"):
+        hf.pipeline_layers(config)
+
+
+def test_instance_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="attn_implementation"):
+        hf.pipeline_layers(make_model("llama"), attn_implementation="eager")
+    with pytest.raises(TypeError):
+        hf.pipeline_layers(42)  # type: ignore[arg-type]
+
+
+def test_only_position_dependent_outputs_are_recomputed_per_block() -> None:
+    # Rebuilding a block argument on a later stage re-runs its weight-free
+    # producer on that stage's hidden state: fine for rotary embeddings (only
+    # shape/dtype used), wrong for anything reading the values.
+    class ValueDependent(nn.Module):
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2, position_ids.float()
+
+    recipe = hf._Recipe((hf._Arg("x", hf._Kind.HIDDEN),), (hf._Arg("position_ids", hf._Kind.POSITIONS),))
+    example = torch.empty(2, 5, 32, device="meta")
+    with pytest.raises(ValueError, match="depends on hidden-state values"):
+        hf._check_position_only(ValueDependent(), recipe, "value_dependent", example=example)
+    rotary = make_model("llama").model.rotary_emb
+    hf._check_position_only(rotary, recipe, "model.rotary_emb", example=example)  # accepted
+
+
+def test_sharded_and_base_model_checkpoints(tmp_path: Path) -> None:
+    model = make_model("llama", tie_word_embeddings=True)
+    input_ids, labels = make_batch(6)
+    with torch.no_grad():
+        expected = model(input_ids, labels=labels).loss.item()
+    sharded, base_only = tmp_path / "sharded", tmp_path / "base_only"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    model.model.save_pretrained(base_only)  # keys without the "model." prefix, no head (tied)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert not any(key.startswith("model.") for key in _checkpoint_keys(base_only))
+    for directory in (sharded, base_only):
+        specs, loss_fn = hf.pipeline_layers(directory)
+        with torch.no_grad():
+            assert abs(loss_fn(Sequential(specs)(input_ids), labels).item() - expected) < TOL
