@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.engine import VShapeEngine
 from .runtime.module import PipelineModule, from_deepspeed_module
-from .schedules import generate, get_info
+from .schedules import get_info
 
 __all__ = ["initialize"]
 
@@ -94,8 +94,7 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         allowed = ", ".join(str(z) for z in _RUNTIME_ZERO_STAGES)
         raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: the engine runs ZeRO stages {allowed} with every schedule; set zero_optimization.stage to 0 or 1")
     try:
-        schedule = generate(info.name, p, micro_batches, chunks=vs.chunks, seq_chunks=vs.seq_chunks,
-                            memory_limit=vs.memory_limit, check=False)
+        schedule = vs.make_schedule(p, micro_batches, check=False)
     except ValueError as err:
         raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
     if len(model._layer_specs) < schedule.num_model_stages:

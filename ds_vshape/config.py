@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .schedules import get_info
+from .schedules import Costs, Schedule, generate, get_info
 
 __all__ = ["PipelineConfig", "parse_pipeline_config", "ConfigError"]
 
@@ -37,6 +37,20 @@ class PipelineConfig(BaseModel):
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto).")
     partition_method: str = Field("parameters", description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'.")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive may take before the step fails with a named error.")
+    w_memory: float = Field(
+        0.5, ge=0, le=1,
+        description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
+        "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
+    )
+
+    def make_schedule(self, stages: int, micro_batches: int, *, check: bool = True) -> Schedule:
+        """The schedule this config asks for, for p pipeline ranks and m micro-batches."""
+        if self.schedule is None:
+            raise ValueError("pipeline.schedule is not set")
+        return generate(
+            self.schedule, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks,
+            memory_limit=self.memory_limit, costs=Costs(w_memory=self.w_memory), check=check,
+        )
 
     @field_validator("schedule")
     @classmethod

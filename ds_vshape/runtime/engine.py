@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..schedules import F, Schedule, generate
-from ..schedules.costs import Costs
+from ..schedules import F, Schedule
 from . import instructions as ins
 from .comm import P2P
 from .memory import ActivationMeter
@@ -42,10 +41,7 @@ class VShapeEngine(PipelineEngine):
         if self.training_data is not None:
             self._build_data_iter(self.training_data)  # again: first/last rank changed meaning
         self.vs_config = vs_config
-        self.schedule: Schedule = generate(
-            vs_config.schedule, self.num_stages, self.micro_batches,
-            chunks=vs_config.chunks, seq_chunks=vs_config.seq_chunks, memory_limit=vs_config.memory_limit,
-        )
+        self.schedule: Schedule = vs_config.make_schedule(self.num_stages, self.micro_batches)
         if self.schedule.stage_to_rank != self._vs_placement:
             raise ValueError(f"module placement {self._vs_placement} does not match schedule placement {self.schedule.stage_to_rank}")
         self.num_model_stages = self.schedule.num_model_stages

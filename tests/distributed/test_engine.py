@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from ds_vshape.schedules import get_info, schedule_names, simulate, generate
+from ds_vshape.schedules import Costs, generate, get_info, schedule_names, simulate
 
 from .launch import launch
+from .worker import kept_fraction
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -51,8 +52,11 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
     ]
 
 
+KEPT = kept_fraction()
+
+
 def _extra_cases_p4() -> list[dict[str, Any]]:
-    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0}
+    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0, "pipeline": {"w_memory": KEPT}}
     return [
         {"name": "pp2xdp2-zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
         {"name": "pp2xdp2-zero0-zb-h2", "schedule": "zb-h2", "p": 2, "m": 4},
@@ -130,7 +134,8 @@ def test_measured_activation_memory_follows_schedule(results_p4: dict) -> None:
     # One M_B (a micro-batch on a 1/p slice) is what 1F1B's last rank holds at its peak.
     unit = results_p4["mem-1f1b"][3]["peak_activation_bytes"]
     for name in peaks:
-        predicted = simulate(generate(name, 4, 8)).peak_memory
+        costs = Costs(w_memory=KEPT)
+        predicted = simulate(generate(name, 4, 8, costs=costs), costs, kept_until_w=KEPT).peak_memory
         for rank, res in enumerate(results_p4[f"mem-{name}"]):
             measured = res["peak_activation_bytes"] / unit
             assert abs(measured - predicted[rank]) <= 0.15 * predicted[rank] + 0.15, (name, rank, measured, predicted[rank])
