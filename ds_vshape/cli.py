@@ -101,16 +101,24 @@ def _add_cost_options(parser: argparse.ArgumentParser, *, memory: bool) -> None:
     group.add_argument("--t-b", type=float, default=1.0, metavar="T", help="input-gradient time (default 1)")
     group.add_argument("--t-w", type=float, default=1.0, metavar="T", help="weight-gradient time (default 1)")
     group.add_argument("--t-comm", type=float, default=0.0, metavar="T", help="latency of one hop between ranks (default 0)")
+    group.add_argument("--w-memory", type=float, default=0.0, metavar="S",
+                       help="share of a unit's activation that split backward keeps from B until W, 0..1; "
+                            "the split-backward schedules keep their memory bound counting it (default 0)")
     if memory:
-        group.add_argument("--kept-until-w", type=float, default=0.0, metavar="S",
-                           help="share of a unit's activation that B keeps for W, 0..1 (default 0)")
+        group.add_argument("--kept-until-w", type=float, default=None, metavar="S",
+                           help="count memory as if B kept this share for W instead, 0..1 (default: --w-memory)")
 
 
 def _costs(args: argparse.Namespace) -> Costs:
-    return Costs(f=args.t_f, b=args.t_b, w=args.t_w, comm=args.t_comm)
+    if not 0.0 <= args.w_memory <= 1.0:  # named as the flag, not as the Costs field
+        raise ValueError(f"--w-memory must be between 0 and 1, got {args.w_memory}")
+    return Costs(f=args.t_f, b=args.t_b, w=args.t_w, comm=args.t_comm, w_memory=args.w_memory)
 
 
-def _kept_until_w(args: argparse.Namespace) -> float:
+def _kept_until_w(args: argparse.Namespace, costs: Costs) -> float:
+    """The share memory is counted with: what the schedules planned for unless overridden."""
+    if args.kept_until_w is None:
+        return costs.w_memory
     share = float(args.kept_until_w)
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"--kept-until-w must be between 0 and 1, got {share}")
@@ -136,7 +144,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    costs, kept = _costs(args), _kept_until_w(args)
+    costs = _costs(args)
+    kept = _kept_until_w(args, costs)
     if args.width is not None and args.width < 10:
         raise ValueError(f"--width must be at least 10, got {args.width}")
     schedule = _generate(args, costs)
@@ -164,7 +173,7 @@ def _simulate_header(schedule: Schedule, costs: Costs, kept: float) -> str:
     return (
         f"{schedule.name}: p={schedule.stages} m={schedule.micro_batches} v={schedule.chunks_per_rank} "
         f"k={schedule.seq_chunks}  (costs f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}, "
-        f"kept until W={kept:g})"
+        f"w_memory={costs.w_memory:g}, kept until W={kept:g})"
     )
 
 
@@ -194,14 +203,15 @@ def _write_outputs(args: argparse.Namespace, result: SimResult, schedule: Schedu
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    costs = _costs(args)
     rows = compare_rows(
         args.stages,
         args.micro_batches,
-        costs=_costs(args),
+        costs=costs,
         chunks=args.chunks,
         seq_chunks=args.seq_chunks,
         memory_limit=args.memory_limit,
-        kept_until_w=_kept_until_w(args),
+        kept_until_w=_kept_until_w(args, costs),
     )
     print(format_table(rows, style=args.format))
     return 0

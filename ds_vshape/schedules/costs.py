@@ -1,4 +1,4 @@
-"""Pass costs for the simulator and for the cost-aware generators (zb-auto, v-adaptive)."""
+"""Pass costs for the simulator and the generators: pass times, and what split backward keeps."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ class Costs:
     A rank holding v chunks runs each chunk in 1/v of these times. ``seq_weights`` gives the
     relative cost of each sequence chunk (normalised to sum 1); equal shares when None.
     ``stage_scale`` optionally scales every pass of one model stage (uneven partitions).
+
+    ``w_memory`` is the share of a unit's activation that B keeps until its W runs: the
+    weight GEMMs of W need the inputs and output gradients of the linear layers, so a real
+    split backward frees only the rest at B (about 0.3-0.6 for a transformer layer). The
+    split-backward generators keep their memory bound counting that share as live until W,
+    and ``simulate`` counts it by default; 0 frees everything at B, 1 keeps it all until W.
     """
 
     f: float = 1.0
@@ -24,11 +30,14 @@ class Costs:
     comm: float = 0.0
     seq_weights: tuple[float, ...] | None = None
     stage_scale: tuple[float, ...] | None = None
+    w_memory: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "comm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.w_memory <= 1.0:  # also rejects NaN
+            raise ValueError(f"w_memory is a share of the activation and must be in [0, 1], got {self.w_memory}")
 
     def seq_share(self, seq_chunk: int, seq_chunks: int) -> float:
         """Fraction of a micro-batch's cost (and activation memory) carried by one seq chunk."""

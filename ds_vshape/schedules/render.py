@@ -6,6 +6,7 @@ only, so the CLI's ``export`` and ``compare`` (and the runtime) never pay for it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -260,15 +261,21 @@ def compare_rows(
     chunks: int | None = None,
     seq_chunks: int | None = None,
     memory_limit: float | None = None,
-    kept_until_w: float = 0.0,
+    w_memory: float | None = None,
+    kept_until_w: float | None = None,
 ) -> list[dict[str, Any]]:
     """One row per registered schedule at (p, m), with ratios to 1F1B.
 
     ``chunks``, ``seq_chunks`` and ``memory_limit`` are passed only to the schedules that
     take them, so one call covers every schedule. A schedule that cannot serve (p, m)
     gets a row whose ``error`` says why instead of aborting the whole comparison.
+    ``w_memory`` (default ``costs.w_memory``) is the share of an activation B keeps until
+    W: the split-backward schedules plan for it, and memory is counted with it unless
+    ``kept_until_w`` asks for another share (what if the runtime keeps more than planned).
     """
     costs = costs or Costs()
+    if w_memory is not None:
+        costs = dataclasses.replace(costs, w_memory=w_memory)
     base = _try_simulate(BASELINE, p, m, costs=costs, kept_until_w=kept_until_w, options={})
     base_result = base[1] if isinstance(base, tuple) else None
     rows = []
@@ -292,7 +299,7 @@ def _applicable_options(name: str, *, chunks: int | None, seq_chunks: int | None
 
 
 def _try_simulate(
-    name: str, p: int, m: int, *, costs: Costs, kept_until_w: float, options: dict[str, Any]
+    name: str, p: int, m: int, *, costs: Costs, kept_until_w: float | None, options: dict[str, Any]
 ) -> tuple[Schedule, SimResult] | str:
     """(schedule, result), or the one-line reason it cannot run."""
     try:

@@ -44,13 +44,18 @@ class SimResult:
         return max(self.peak_memory)
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, kept_until_w: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs | None = None, *, kept_until_w: float | None = None) -> SimResult:
     """Run the schedule event by event.
 
     ``kept_until_w``: the share of a unit's activation that B keeps for its W (the inputs of
-    the weight GEMMs); 0 frees everything at B, 1 keeps everything until W.
+    the weight GEMMs); 0 frees everything at B, 1 keeps everything until W. None takes
+    ``costs.w_memory``, the share the generators planned for.
     """
     costs = costs or Costs()
+    if kept_until_w is None:
+        kept_until_w = costs.w_memory
+    if not 0.0 <= kept_until_w <= 1.0:
+        raise ValueError(f"kept_until_w must be in [0, 1], got {kept_until_w}")
     finish, timeline = _run(schedule, costs)
     makespan = max((t[-1][1] for t in timeline if t), default=0.0)
     busy = tuple(sum(e - s for s, e, _ in t) for t in timeline)

@@ -14,11 +14,14 @@ unit-cost case of the paper. ``squeeze`` then
    greedy reordering) when doing so keeps the rank within the activation budget ``cap``;
 3. places the W passes into the slots that are still free, oldest first.
 
-Memory is counted in half-chunk activations (one F of one chunk = 1 = M_B/2). The budget
-``cap`` bounds the simulator's default count (an F holds its activation until its B).
-A W still needs the inputs of the weight GEMMs, so ``w_cap`` separately bounds F minus W
-(the count with the activation kept until W): W passes are forced in before that backlog
-grows past it, which keeps a real runtime's memory bounded however W is retained.
+Memory is counted in half-chunk activations (one F of one chunk = 1 = M_B/2). A W still
+needs the inputs of the weight GEMMs, so B frees only the share ``1 - w_memory`` of its
+activation and W the rest: the *load* of a rank is F - B + w_memory * (B - W), the
+simulator's count with ``kept_until_w=w_memory``. The budget ``cap`` bounds the load;
+``w_cap`` separately bounds F minus W (everything kept until W), a guard for a runtime
+that keeps more than planned. A W placed late in a gap is therefore also forced in early:
+when the next F would break either bound, the rank runs its oldest pending W instead.
+With ``w_memory=0`` that only happens at ``w_cap``, so the W passes fill gaps as before.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ Block = tuple[tuple[int, int, int, int], ...]  # per rank: slot of F0, F1, B1, B
 Order = list[tuple[int, int]]  # per rank: (pass code, micro-batch) in run order
 
 _NEVER = 1 << 62  # "not ready yet" for a pass's ready slot
+_EPS = 1e-9  # loads are sums of multiples of a float share; compare with a tolerance
 # Dependency chain of one micro-batch through the V: F0 down the ranks, F1 back up,
 # B1 down again and B0 back up. ``True`` walks ranks from p-1 to 0.
 _CHAIN = ((F0, False), (F1, True), (B1, False), (B0, True))
@@ -158,14 +162,15 @@ class Squeezed:
         """What the search minimises: worst span idle, then worst makespan idle."""
         return max(self.span_idle), max(self.makespan_idle)
 
-    def peak(self, *, until_w: bool = False) -> int:
-        """Half-chunk activations held, max over ranks; freed at B, or at W when ``until_w``."""
-        freed = _W if until_w else _B
-        peak = 0
+    def peak(self, *, w_memory: float = 0.0) -> float:
+        """Half-chunk activations held, max over ranks, when B frees ``1 - w_memory`` of its
+        unit's activation and W the rest (1: everything held until W)."""
+        freed = {_F: -1.0, _B: 1.0 - w_memory, _W: w_memory}
+        peak = 0.0
         for rec in self.records:
-            level = 0
+            level = 0.0
             for _, kind, _, _ in rec:
-                level += 1 if kind == _F else -1 if kind == freed else 0
+                level -= freed[kind]
                 peak = max(peak, level)
         return peak
 
@@ -174,18 +179,29 @@ class Squeezed:
 
 
 def squeeze(
-    p: int, m: int, orders: Sequence[Order], *, cap: int, w_cap: int, give_up: int | None = None
+    p: int,
+    m: int,
+    orders: Sequence[Order],
+    *,
+    cap: int,
+    w_cap: int,
+    w_memory: float = 0.0,
+    give_up: int | None = None,
 ) -> Squeezed | None:
     """Time the orders in slots: squeeze, fill bubbles within ``cap``, place W (module doc).
 
     ``cap`` must be at least ``order_peak(orders)`` (the block's own peak) and ``w_cap`` at
-    least ``cap``: then a rank always has a pass it may run or waits on another rank, so
-    the result is complete and deadlock-free. ``give_up``: return None as soon as a rank
-    has idled more than this many slots inside its span (a search drops hopeless blocks).
+    least ``cap``: then a rank always has a pass it may run, a W that makes room, or waits
+    on another rank, so the result is complete and deadlock-free. Every F keeps the load
+    (``w_memory``'s share held until W) within ``cap`` and F minus W within ``w_cap``.
+    ``give_up``: return None as soon as a rank has idled more than this many slots inside
+    its span (a search drops hopeless blocks).
     """
     if cap < order_peak(orders) or w_cap < cap:
         raise ValueError(f"need order peak <= cap <= w_cap, got peak {order_peak(orders)}, cap {cap}, w_cap {w_cap}")
-    state = _Squeezer(p, m, orders, cap, w_cap)
+    if not 0.0 <= w_memory <= 1.0:
+        raise ValueError(f"w_memory must be in [0, 1], got {w_memory}")
+    state = _Squeezer(p, m, orders, cap, w_cap, w_memory)
     left = 3 * 2 * p * m  # F, B and W of both chunks, per rank and micro-batch
     t = 0
     while left:
@@ -203,9 +219,9 @@ class _Squeezer:
     """Mutable state of one squeeze. Pass keys: kind * n + stage * m + micro_batch with
     kind 0 = F and 1 = B, so a pass and the one it unblocks are one key step apart."""
 
-    def __init__(self, p: int, m: int, orders: Sequence[Order], cap: int, w_cap: int) -> None:
+    def __init__(self, p: int, m: int, orders: Sequence[Order], cap: int, w_cap: int, w_memory: float) -> None:
         self.p, self.m, self.n = p, m, 2 * p * m
-        self.cap, self.w_cap = cap, w_cap
+        self.cap, self.w_cap, self.w = cap, w_cap, w_memory
         self.keys = [[self._key(r, code, i) for code, i in order] for r, order in enumerate(orders)]
         self.delta = [[1 if code in (F0, F1) else -1 for code, _ in order] for order in orders]
         self.pos = [0] * (2 * self.n)
@@ -246,11 +262,12 @@ class _Squeezer:
             h += 1
         self.head[r] = h
         backlog = self.backlog[r]
-        full = self.level[r] + len(backlog) >= self.w_cap  # another F would overflow the W budget
+        load, limit = self._budget(r)
+        full = load + 1 > limit + _EPS  # another F would break a bound: a W must make room first
         if h < len(keys) and self.ready[keys[h]] <= t and not (full and keys[h] < n):
             j = h
         else:
-            j = self._pick(r, h, t, min(self.cap, self.w_cap - len(backlog)))
+            j = self._pick(r, h, t, load, limit)
         if j < 0:
             if not backlog:
                 return 0
@@ -273,11 +290,22 @@ class _Squeezer:
             self.avail[self.rank_of[(nxt % n) // self.m]].append(nxt)
         return 1
 
-    def _pick(self, r: int, h: int, t: int, cap: int) -> int:
+    def _budget(self, r: int) -> tuple[float, float]:
+        """(load, limit): the rank's load now and how high an F may take it.
+
+        The load is F - B + w * backlog. F minus W is that plus (1 - w) * backlog, so
+        ``w_cap`` caps the load at ``w_cap - (1 - w) * backlog``; with w = 0 this is the
+        plain F - B level against ``min(cap, w_cap - backlog)``.
+        """
+        backlog = len(self.backlog[r])
+        load = self.level[r] + self.w * backlog
+        return load, min(self.cap, self.w_cap - (1.0 - self.w) * backlog)
+
+    def _pick(self, r: int, h: int, t: int, load: float, limit: float) -> int:
         """Position of a later runnable pass to pull into slot t, or -1.
 
         A B first (it frees memory and unblocks the rank below); else the earliest F, if
-        starting it now keeps the rank's level within ``cap`` until its own place in the
+        starting it now keeps the rank's load within ``limit`` until its own place in the
         order. Only the earliest F needs the test: a later one spans the same levels.
         """
         best_b = best_f = -1
@@ -297,17 +325,17 @@ class _Squeezer:
         self.avail[r] = keep
         if best_b >= 0:
             return best_b
-        return best_f if best_f >= 0 and self._room(r, h, best_f, cap) else -1
+        return best_f if best_f >= 0 and self._room(r, h, best_f, load, limit) else -1
 
-    def _room(self, r: int, h: int, j: int, cap: int) -> bool:
-        """True when running the F at position j now keeps every level up to j within cap."""
-        level = self.level[r]
-        if level + 1 > cap:
+    def _room(self, r: int, h: int, j: int, load: float, limit: float) -> bool:
+        """True when running the F at position j now keeps the load within ``limit`` at
+        every pass up to j, if no W runs meanwhile (each B then frees only 1 - w)."""
+        if load + 1 > limit + _EPS:
             return False
-        delta, done = self.delta[r], self.done[r]
+        delta, done, kept = self.delta[r], self.done[r], self.w
         for x in range(h, j):
             if not done[x]:
-                level += delta[x]
-                if level + 1 > cap:
+                load += delta[x] if delta[x] > 0 else delta[x] * (1.0 - kept)
+                if load + 1 > limit + _EPS:
                     return False
         return True

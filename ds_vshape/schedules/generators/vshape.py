@@ -6,13 +6,21 @@ lifespan sets the activation memory (see ``_blocks`` for the framework):
 
 - ``v-min``: the tightest chain, one slot per hop; peak <= floor((p+4)/3) M_B.
 - ``v-half``: F0 and B1 two slots per hop; peak <= floor((p+2)/2) M_B.
-- ``v-zb`` (``zb-v``): offsets [5,-1,5,-1] on every rank; peak <= p M_B and no idle slot
-  inside any rank's span once m >= 2p.
+- ``v-zb`` (``zb-v``): offsets [5,-1,5,-1] on every rank; peak <= p M_B and, once m >= 2p,
+  the least step time of any V schedule (6m + p - 1 slots); with ``w_memory`` 0 also no
+  idle slot inside any rank's span.
 - ``v-adaptive``: the lowest-bubble block of the offset family (plus the three above) whose
   peak fits ``memory_limit`` (in M_B, default p).
 
-Peaks are the simulator's default count (an activation is freed by its B). Delayed W passes
-are bounded too: F minus W never exceeds twice the budget (see ``_squeeze``).
+Peaks count what a real split backward holds: B frees its unit's activation except the
+share ``costs.w_memory`` that W still needs, which W frees (the simulator's count with
+``kept_until_w=costs.w_memory``, its default). The bounds above hold for any share in
+[0, 1]: a W that would wait for a gap is run early instead when the next F would break
+the budget. F minus W also never exceeds twice the budget, whatever the share. Those
+early W passes cost bubbles: at m = 4p and p = 4/8/12, counted from slot 0, V-Min idles
+11/25/41 slots at share 0.5 and 13/26/43 at 1 (7/21/31 at 0), V-Half 6/17/29 and
+7/21/35 (5/13/21 at 0), while V-ZB keeps its step time and only moves up to p-1 idle
+slots into the spans.
 
 V-Min and V-Half are themselves members of the offset family: their REFERENCE offsets are
 [1,-1,1,-1] and [2,-1,2,-1] from their own rank-0 residues (the unit tests check this).
@@ -24,8 +32,8 @@ than rank 0 do not recur; ``span_idle`` gives that figure from a simulation. Cou
 slot 0 instead (``SimResult.idle``), no V schedule can go below p-1 slots per rank, and V-ZB
 reaches exactly that.
 
-All four work in the slot model (unit pass costs, no communication); ``costs`` is accepted
-for the common generator signature and does not change the order.
+All four work in the slot model (unit pass costs, no communication); of ``costs`` they use
+only ``w_memory``, which decides how early the W passes must run.
 """
 
 from __future__ import annotations
@@ -82,28 +90,33 @@ def _any_m(p: int, v: int, k: int) -> int:
 
 @register("v-zb", aliases=("zb-v",), fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "zero bubble at peak memory p")
 def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-zb", p, m, vzb_block(p), 2 * p)
+    return _build("v-zb", p, m, vzb_block(p), 2 * p, _w_memory(costs))
 
 
 @register("v-half", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "about half of 1F1B's bubble and memory")
 def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p))
+    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), _w_memory(costs))
 
 
 @register("v-min", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble")
 def v_min(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p))
+    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p), _w_memory(costs))
 
 
-def _build(name: str, p: int, m: int, block: blocks.Block, budget: int, **params: object) -> Schedule:
+def _w_memory(costs: Costs | None) -> float:
+    return 0.0 if costs is None else costs.w_memory
+
+
+def _build(name: str, p: int, m: int, block: blocks.Block, budget: int, w_memory: float, **params: object) -> Schedule:
     """Repeat, squeeze and fill W; the budget never goes below what the block itself holds."""
     _require_sizes(name, p, m)
-    squeezed = _squeeze(p, m, block, budget)
+    squeezed = _squeeze(p, m, block, budget, w_memory)
     assert squeezed is not None  # no give_up, so never abandoned
     info = {
         "block": [list(slots) for slots in block],
-        "peak_memory": squeezed.peak() / 2,
-        "peak_memory_until_w": squeezed.peak(until_w=True) / 2,
+        "w_memory": w_memory,
+        "peak_memory": squeezed.peak(w_memory=w_memory) / 2,
+        "peak_memory_until_w": squeezed.peak(w_memory=1.0) / 2,
         "span_idle_slots": max(squeezed.span_idle),
         **params,
     }
@@ -116,14 +129,17 @@ def _require_sizes(name: str, p: int, m: int) -> None:
         raise ValueError(f"schedule {name!r} needs p >= 2 and at least {_any_m(p, 2, 1)} micro-batch, got p={p}, m={m}")
 
 
-def _squeeze(p: int, m: int, block: blocks.Block, budget: int, *, give_up: int | None = None) -> blocks.Squeezed | None:
+def _squeeze(
+    p: int, m: int, block: blocks.Block, budget: int, w_memory: float, *, give_up: int | None = None
+) -> blocks.Squeezed | None:
     blocks.check_block(block)
     orders = blocks.repeat(block, m)
     cap = max(budget, blocks.order_peak(orders))
-    # A W may wait for a free slot, but the activations its backlog holds never exceed the
-    # budget a second time: F minus W stays within 2 * cap, so memory stays bounded even
-    # when a runtime keeps everything until W.
-    return blocks.squeeze(p, m, orders, cap=cap, w_cap=2 * cap, give_up=give_up)
+    # The budget counts the share w_memory as held until W, so W passes run early enough to
+    # keep it. Beyond that, the activations a W backlog holds never exceed the budget a
+    # second time: F minus W stays within 2 * cap, so memory stays bounded even when a
+    # runtime keeps more until W than planned.
+    return blocks.squeeze(p, m, orders, cap=cap, w_cap=2 * cap, w_memory=w_memory, give_up=give_up)
 
 
 # ---- v-adaptive --------------------------------------------------------------------------
@@ -150,12 +166,13 @@ class _Candidate:
 )
 def v_adaptive(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     _require_sizes("v-adaptive", p, m)
-    best = _choose(p, m, _cap(p, memory_limit))
+    w_memory = _w_memory(costs)
+    best = _choose(p, m, _cap(p, memory_limit), w_memory)
     if best is None:
         low = min(c.level for c in _pool(p, m)) / 2
         raise ValueError(f"v-adaptive with p={p}, m={m} needs memory_limit >= {low:g} (in M_B), got {memory_limit}")
     limit = p if memory_limit is None else memory_limit
-    return _build("v-adaptive", p, m, best.block, best.level, memory_limit=limit, choice=best.label)
+    return _build("v-adaptive", p, m, best.block, best.level, w_memory, memory_limit=limit, choice=best.label)
 
 
 def _cap(p: int, memory_limit: float | None) -> int:
@@ -168,20 +185,24 @@ def _cap(p: int, memory_limit: float | None) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _choose(p: int, m: int, cap: int) -> _Candidate | None:
+def _choose(p: int, m: int, cap: int, w_memory: float) -> _Candidate | None:
     """The candidate within ``cap`` with the fewest idle slots, then the least memory.
 
-    Idle slots come from the warm-up and the cool-down only and settle once m reaches about
-    2p, so candidates are compared there (exactly at m when m <= 2p). The minimum is exact:
-    a candidate is dropped only once it has idled more than the best so far. Scores do not
-    depend on ``cap``, so a larger limit only adds candidates and the bubble can only fall.
+    With ``w_memory`` 0, idle slots come from the warm-up and the cool-down only and settle
+    once m reaches about 2p, so candidates are compared there (exactly at m when m <= 2p).
+    With a share kept until W, a block whose peak leaves no room for pending W passes loses
+    slots every period to the W passes forced in, so its idle grows with m: candidates are
+    then compared at m itself. The minimum is exact: a candidate is dropped only once it
+    has idled more than the best so far. Scores do not depend on ``cap``, so a larger limit
+    only adds candidates and the bubble can only fall.
     """
     fitting = sorted((c for c in _pool(p, m) if c.level <= cap), key=lambda c: -c.level)
+    at = min(m, 2 * p) if w_memory == 0 else m
     best: _Candidate | None = None
     best_key = ((0, 0), 0)
     for cand in fitting:  # most memory first: usually the fewest bubbles, so a tight bound early
         give_up = best_key[0][0] if best else None
-        squeezed = _squeeze(p, min(m, 2 * p), cand.block, cand.level, give_up=give_up)
+        squeezed = _squeeze(p, at, cand.block, cand.level, w_memory, give_up=give_up)
         if squeezed is not None and (best is None or (squeezed.score, cand.level) < best_key):
             best, best_key = cand, (squeezed.score, cand.level)
     return best

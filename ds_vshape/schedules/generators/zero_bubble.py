@@ -13,6 +13,9 @@ weights) depends on nothing downstream, so it is moved into the slots where 1F1B
 Memory limits are counted conservatively: a micro-batch is live on a rank from its F until
 its W, so a limit holds whatever share of the activation B keeps for W (the simulator's
 ``kept_until_w`` anywhere from 0 to 1). ZB-H1 and ZB-H2 reach exactly p and 2p-1 that way.
+So these generators need not read ``costs.w_memory``: the count with any share lies
+between the count freed at B and the count held until W, at every moment, and both stay
+within the bound. They ignore it, and their orders do not depend on it.
 """
 
 from __future__ import annotations
