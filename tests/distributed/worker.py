@@ -114,6 +114,7 @@ def _config(case: dict[str, Any], m: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,  # plain torch SGD keeps the reference exact
         "pipeline": pipeline,
         "steps_per_print": 10**9,
+        "bf16": {"enabled": bool(case.get("bf16"))},
         "wall_clock_breakdown": False,
     }
 
@@ -160,14 +161,15 @@ class _TiedReference(nn.Module):
         return _head(self.embed, self.blocks(self.embed(ids)))
 
 
-def _reference(ref: nn.Module, loss_fn: Any, data: list, m: int, steps: int, clip: float) -> list[float]:
+def _reference(ref: nn.Module, loss_of: Any, data: list, m: int, steps: int, clip: float) -> list[float]:
+    """Plain training: ``loss_of(model, x, y)`` per micro-batch, averaged, clipped, SGD."""
     opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     losses = []
     for step in range(steps):
         opt.zero_grad()
         total = 0.0
         for x, y in data[step * m : (step + 1) * m]:
-            loss = loss_fn(ref(x), y)
+            loss = loss_of(ref, x, y)
             (loss / m).backward()
             total += loss.item()
         if clip > 0:
@@ -234,19 +236,7 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
         data.append((ids, labels))
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
-    ref.train()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
-    ref_losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for ids, labels in data[step * m : (step + 1) * m]:
-            loss = ref(input_ids=ids, labels=labels).loss
-            (loss / m).backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        ref_losses.append(total / m)
+    ref_losses = _reference(ref, lambda model, ids, labels: model(input_ids=ids, labels=labels).loss, data, m, steps, 1.0)
     return {"losses": losses, "ref_losses": ref_losses, "param_diff": 0.0}
 
 
@@ -266,7 +256,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None)}
-    result["ref_losses"] = _reference(ref, loss_fn, data, m, steps, case.get("clip", 0.05))
+    result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)
     if case.get("eval"):
         result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
