@@ -46,8 +46,9 @@ def initialize(
     if vs.schedule is None or not isinstance(model, DSPipelineModule):
         if vs.schedule is not None:
             raise ConfigError("pipeline.schedule needs a deepspeed.pipe.PipelineModule (or ds_vshape.PipelineModule) as model")
+        # Stock DeepSpeed, given exactly what the caller gave (it reads args.deepspeed_config itself).
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config_dict, **kwargs)
+                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
     _init_distributed(kwargs)
     module = _prepare_module(model, vs, config_dict)
     if model_parameters is not None and module is not model:

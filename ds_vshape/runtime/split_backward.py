@@ -32,6 +32,7 @@ class WeightGradStore:
         self._current: Hashable | None = None  # unit whose forward is running
         self._deferring: set[Hashable] = set()
         self._parked: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
         self.parked_bytes = 0
 
     @contextmanager
@@ -54,7 +55,22 @@ class WeightGradStore:
 
     def park(self, key: Hashable, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         self._parked[key].append((module, x, grad_out))
-        self.parked_bytes += _nbytes(x) + _nbytes(grad_out)
+        for t in (x, grad_out):
+            self._hold(t, +1)
+
+    def _hold(self, t: torch.Tensor, delta: int) -> None:
+        """Count each parked storage once, however many layers park it."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        before = self._refs.get(ptr, 0)
+        after = before + delta
+        if before == 0:
+            self.parked_bytes += storage.nbytes()
+        if after == 0:
+            self.parked_bytes -= storage.nbytes()
+            self._refs.pop(ptr, None)
+        else:
+            self._refs[ptr] = after
 
     def is_deferring(self, key: Hashable) -> bool:
         return key in self._deferring
@@ -62,8 +78,9 @@ class WeightGradStore:
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight GEMM, accumulated into ``.grad``."""
         for module, x, grad_out in self._parked.pop(key, []):
-            self.parked_bytes -= _nbytes(x) + _nbytes(grad_out)
             _accumulate_weight_grads(module, x, grad_out)
+            for t in (x, grad_out):
+                self._hold(t, -1)
 
     def pending(self) -> list[Hashable]:
         return list(self._parked)
@@ -71,10 +88,6 @@ class WeightGradStore:
     @property
     def current(self) -> Hashable | None:
         return self._current
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _accumulate_weight_grads(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:

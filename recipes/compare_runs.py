@@ -1,0 +1,131 @@
+"""Side-by-side table of train_hf.py runs, one column per run.
+
+    python recipes/compare_runs.py runs/default/1f1b.jsonl runs/default/v-half.jsonl
+
+Reads each ``--metrics-out`` JSONL file (one object per step) and, when present, the
+``<name>.summary.json`` that train_hf.py writes next to it (schedule, simulated bubble,
+held-out loss). With exactly two runs a last column gives the second over the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Run", "load_run", "table", "main"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run measured; None where the run did not record it."""
+
+    name: str
+    steps: int
+    final_loss: float
+    median_step_s: float
+    median_tokens_per_s: float
+    sim_bubble_rate: float | None
+    val_loss: float | None
+    peak_bytes: tuple[int | None, ...]  # per pipeline rank, max over the steps
+
+
+def load_run(path: Path) -> Run:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no steps")
+    side = path.with_name(path.stem + ".summary.json")
+    summary: dict[str, Any] = json.loads(side.read_text()) if side.exists() else {}
+    return Run(
+        name=summary.get("schedule", path.stem),
+        steps=rows[-1]["step"],
+        final_loss=rows[-1]["loss"],
+        median_step_s=statistics.median(r["step_time_s"] for r in rows),
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in rows),
+        sim_bubble_rate=summary.get("sim_bubble_rate"),
+        val_loss=summary.get("val_loss"),
+        peak_bytes=_peaks(rows),
+    )
+
+
+def _peaks(rows: list[dict[str, Any]]) -> tuple[int | None, ...]:
+    ranks = len(rows[0]["peak_activation_bytes"])
+    out: list[int | None] = []
+    for r in range(ranks):
+        seen = [row["peak_activation_bytes"][r] for row in rows if row["peak_activation_bytes"][r] is not None]
+        out.append(max(seen) if seen else None)
+    return tuple(out)
+
+
+# ---- formatting -------------------------------------------------------------------------------
+Cell = Callable[[Run], float | None]
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def _rows(runs: Sequence[Run]) -> list[tuple[str, Cell, Callable[[float | None], str]]]:
+    """(label, value getter, formatter) for every line of the table."""
+    ranks = max(len(r.peak_bytes) for r in runs)
+    rows: list[tuple[str, Cell, Callable[[float | None], str]]] = [
+        ("loss at end", lambda r: r.final_loss, lambda v: f"{v:.4f}"),
+        ("held-out loss", lambda r: r.val_loss, lambda v: f"{v:.4f}"),
+        ("median step time", lambda r: r.median_step_s, lambda v: f"{v:.3f} s"),
+        ("median tokens/s", lambda r: r.median_tokens_per_s, lambda v: f"{v:,.0f}"),
+        ("simulated bubble", lambda r: r.sim_bubble_rate, lambda v: f"{v:.1%}"),
+    ]
+    for rank in range(ranks):
+        rows.append((f"peak activations r{rank}", _peak_of(rank), _mib))
+    rows.append(("peak activations max", _max_peak, _mib))
+    return rows
+
+
+def _peak_of(rank: int) -> Cell:
+    return lambda r: r.peak_bytes[rank] if rank < len(r.peak_bytes) else None
+
+
+def _max_peak(run: Run) -> float | None:
+    seen = [p for p in run.peak_bytes if p is not None]
+    return max(seen) if seen else None
+
+
+def table(runs: Sequence[Run]) -> str:
+    header = ["", *(f"{r.name} ({r.steps} steps)" for r in runs)]
+    ratio = len(runs) == 2
+    if ratio:
+        header.append(f"{runs[1].name} / {runs[0].name}")
+    lines = [header]
+    for label, get, fmt in _rows(runs):
+        values = [get(r) for r in runs]
+        cells = [label, *("n/a" if v is None else fmt(v) for v in values)]
+        if ratio:
+            a, b = values
+            cells.append(f"{b / a:.2f}x" if a and b is not None else "")
+        lines.append(cells)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    text = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in lines]
+    text.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("metrics", nargs="+", type=Path, help="--metrics-out JSONL files of train_hf.py")
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(p) for p in args.metrics]
+    except (OSError, ValueError, KeyError) as err:
+        print(f"compare_runs.py: error: {err}", file=sys.stderr)
+        return 2
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
