@@ -56,7 +56,7 @@ for schedule in $SCHEDULES; do
 done
 echo
 "$PYTHON" recipes/compare_runs.py "${metrics[@]}"
-cores=$(nproc 2>/dev/null || echo "$NPROC")
+cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo "$NPROC")  # nproc would honour OMP_NUM_THREADS=1
 if [[ $DS_ACCELERATOR == cpu && $NPROC -gt $cores ]]; then
     # Oversubscribed ranks take turns on the cores, so a rank's idle (bubble) time is
     # spent by another rank: the wall clock cannot show a schedule's bubble here.
