@@ -95,6 +95,9 @@ class VShapeEngine(PipelineEngine):
             self._p2p.drain()
         finally:
             self.peak_activation_bytes = self._meter.peak_bytes
+        if self.steps_per_print() and (self.global_steps + 1) % self.steps_per_print() == 0:
+            log.info("ds_vshape: pipeline rank %d (%s) peak activation memory %.2f MiB",
+                     self.stage_id, self.schedule.name, self.peak_activation_bytes / 2**20)
         leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending()
         if leftovers:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone for units {leftovers[:4]}")
