@@ -8,7 +8,6 @@ neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's outp
 
 from __future__ import annotations
 
-import logging
 import math
 from contextlib import nullcontext
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Schedule
 from . import instructions as ins
@@ -25,7 +25,7 @@ from .split_backward import WeightGradStore, enable_split_backward
 
 __all__ = ["VShapeEngine"]
 
-log = logging.getLogger("ds_vshape")
+log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 Unit = tuple[int, int, int]
 
 
