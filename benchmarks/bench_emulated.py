@@ -1,0 +1,428 @@
+"""Emulated-device benchmark worker: every system on the same emulated model, on p gloo ranks.
+
+Launched by ``benchmarks/run.sh`` under torchrun (world size = p, pure pipeline). For each
+m and each case it builds the system, runs warm-up steps, then timed steps; each step is
+framed by barriers, so a step time is one isolated optimizer step, as the simulator models
+it. Rank 0 appends one JSON line per case to ``--out`` (errors are recorded, not raised, so
+one failing system does not hide the others).
+
+Per rank and step it records: emulated device time per pass kind (F/B/W, from the layer's
+own clock), the peak activation bytes (ds_vshape: the engine's own meter; DeepSpeed and
+torch: the same meter class wrapped around their forward), and, for the DeepSpeed-based
+engines, the wall time spent in each instruction handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import deepspeed  # noqa: E402
+from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
+
+import ds_vshape  # noqa: E402
+from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
+from ds_vshape.runtime.comm import P2P  # noqa: E402
+from ds_vshape.runtime.memory import ActivationMeter  # noqa: E402
+from ds_vshape.schedules import schedule_names  # noqa: E402
+
+TORCH_SCHEDULES = ("1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev")
+TORCH_CLASS = {
+    "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B", "loopedbfs": "ScheduleLoopedBFS",
+    "interleavedzerobubble": "ScheduleInterleavedZeroBubble", "zbvzerobubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+# Runtime schedules of ds_vshape (seq1f1b is simulator-only in the engine).
+DS_VSHAPE_SCHEDULES = tuple(n for n in schedule_names() if n != "seq1f1b")
+
+
+# ---- options ---------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--micro-batches", dest="m", type=int, nargs="+", default=[16, 8], help="micro-batches per step")
+    ap.add_argument("--systems", nargs="+", default=["ds_vshape", "deepspeed", "torch"])
+    ap.add_argument("--schedules", nargs="*", default=None, help="restrict to these schedule names (any system)")
+    ap.add_argument("--t-pass", type=float, nargs="+", default=[0.020],
+                    help="seconds of F (and of B, of W) for a 1/p slice of the model; several values run one after another")
+    ap.add_argument("--layers-per-rank", type=int, default=2, help="emulated layers per 1/p slice (2 = one per V chunk)")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=16, help="rows per micro-batch")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=1, help="run every case this many times (alternating order)")
+    ap.add_argument("--out", type=Path, required=True, help="JSONL file rank 0 appends to")
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile the timed steps; one pstats file per case and rank here")
+    return ap.parse_args(argv)
+
+
+def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if "deepspeed" in args.systems:
+        out += [("deepspeed", "1f1b"), ("deepspeed", "dualpipev")]
+    if "ds_vshape" in args.systems:
+        out += [("ds_vshape", s) for s in DS_VSHAPE_SCHEDULES]
+    if "torch" in args.systems:
+        out += [("torch", s) for s in TORCH_SCHEDULES]
+    if args.schedules:
+        out = [c for c in out if c[1] in args.schedules]
+    return out
+
+
+# ---- per-step probes -------------------------------------------------------------------------
+class Probe:
+    """Per-rank measurements of one step: handler times, device time, activation peak."""
+
+    def __init__(self) -> None:
+        self.handler_s: dict[str, float] = defaultdict(float)
+        self.handler_n: dict[str, int] = defaultdict(int)
+        self.durations: dict[str, list[float]] = defaultdict(list)
+        self.meter: ActivationMeter | None = None
+
+    def reset(self) -> None:
+        self.handler_s.clear()
+        self.handler_n.clear()
+        self.durations.clear()
+        DEVICE.reset()
+        if self.meter is not None:
+            self.meter.reset_peak()
+
+    def record(self, name: str, seconds: float) -> None:
+        self.handler_s[name] += seconds
+        self.handler_n[name] += 1
+        self.durations[name].append(seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "device": DEVICE.snapshot(),
+            "handler_s": dict(self.handler_s),
+            "handler_n": dict(self.handler_n),
+            "handler_median_ms": {k: 1e3 * statistics.median(v) for k, v in self.durations.items()},
+            # The fast end of each instruction's times: for a receive, its cost when the data is already there.
+            "handler_p10_ms": {k: 1e3 * sorted(v)[len(v) // 10] for k, v in self.durations.items()},
+        }
+
+
+def instrument_engine(engine: Any, probe: Probe, *, meter_forward: bool) -> None:
+    """Time every instruction handler; optionally meter saved activations around forwards.
+
+    DeepSpeed dispatches through ``self._INSTRUCTION_MAP``, so an instance attribute of
+    the same name takes precedence without touching the class.
+    """
+    if meter_forward:
+        probe.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in engine.module.parameters()})
+    wrapped = {}
+    for cls, fn in type(engine)._INSTRUCTION_MAP.items():
+        wrapped[cls] = _timed(fn, cls.__name__, probe, meter_forward and cls.__name__ == "ForwardPass")
+    engine._INSTRUCTION_MAP = wrapped
+
+
+def _timed(fn: Callable[..., Any], name: str, probe: Probe, meter: bool) -> Callable[..., Any]:
+    def handler(self: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if meter:
+                with probe.meter.recording():  # type: ignore[union-attr]
+                    return fn(self, *a, **kw)
+            return fn(self, *a, **kw)
+        finally:
+            probe.record(name, time.perf_counter() - t0)
+
+    return handler
+
+
+# ---- systems ---------------------------------------------------------------------------------
+def _ds_config(m: int, rows: int, pipeline: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": rows,
+        "gradient_accumulation_steps": m,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # clipping differs between engines (global vs per-stage norm); off for like-for-like
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "pipeline": pipeline,
+    }
+
+
+class Runner:
+    """One built system on this rank: ``step()`` trains one batch; ``peak()`` its activation peak."""
+
+    step: Callable[[], None]
+    peak: Callable[[], int | None]
+    probe: Probe
+    schedule: Any = None  # ds_vshape Schedule when there is one
+
+
+def build_deepspeed_like(system: str, schedule: str, args: argparse.Namespace, p: int, m: int) -> Runner:
+    num_layers = p * args.layers_per_rank
+    per = args.t_pass / args.layers_per_rank
+    specs = [LayerSpec(EmuLayer, args.dim, per, per, per, mode="linear", seed=i) for i in range(num_layers)]
+    loss = metered_loss(mse)
+    probe = Probe()
+    runner = Runner()
+    if system == "deepspeed" and schedule == "dualpipev":
+        from deepspeed.pipe import DualPipeVModule
+
+        module = DualPipeVModule(specs, num_stages=p, loss_fn=loss, partition_method="uniform")
+    else:
+        module = PipelineModule(specs, num_stages=p, loss_fn=loss, partition_method="uniform")
+    if system == "ds_vshape":
+        config = _ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120})
+        engine, *_ = ds_vshape.initialize(model=module, config=config)
+        runner.schedule = engine.schedule
+        instrument_engine(engine, probe, meter_forward=False)
+        runner.peak = lambda: int(engine.peak_activation_bytes)
+    else:
+        config = _ds_config(m, args.rows, {})
+        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=[q for q in module.parameters()])
+        instrument_engine(engine, probe, meter_forward=True)
+        runner.peak = lambda: int(probe.meter.peak_bytes)  # type: ignore[union-attr]
+    data = _micro_batches(args, m)
+    it = itertools.cycle(data)
+    runner.step = lambda: engine.train_batch(it)
+    runner.probe = probe
+    runner.engine = engine  # type: ignore[attr-defined]
+    return runner
+
+
+class _Metered(nn.Module):
+    """A torch pipeline stage whose forward is seen by the activation meter."""
+
+    def __init__(self, inner: nn.Module, probe: Probe) -> None:
+        super().__init__()
+        self.inner, self._probe = inner, probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._probe.meter is None or x.device.type == "meta":
+            return self.inner(x)
+        with self._probe.meter.recording():
+            return self.inner(x)
+
+
+def torch_stage_ids(schedule: str, rank: int, p: int) -> list[int]:
+    if schedule == "1f1b":
+        return [rank]
+    if schedule in ("zbvzerobubble", "dualpipev"):
+        return [rank, 2 * p - 1 - rank]  # V placement
+    return [rank, rank + p]  # looped placement
+
+
+def build_torch(schedule: str, args: argparse.Namespace, p: int, m: int, rank: int) -> Runner:
+    from torch.distributed import pipelining
+
+    ids = torch_stage_ids(schedule, rank, p)
+    num_stages = p if schedule == "1f1b" else 2 * p
+    layers_per_stage = args.layers_per_rank * p // num_stages
+    per = args.t_pass / args.layers_per_rank
+    probe = Probe()
+    mods, stages = [], []
+    for sid in ids:
+        layers = [EmuLayer(args.dim, per, per, per, mode="graph", seed=sid * layers_per_stage + j) for j in range(layers_per_stage)]
+        mod = _Metered(nn.Sequential(*layers), probe)
+        mods.append(mod)
+        stages.append(pipelining.PipelineStage(mod, sid, num_stages, torch.device("cpu")))
+    params = [q for mod in mods for q in mod.parameters()]
+    probe.meter = ActivationMeter({q.untyped_storage().data_ptr() for q in params})
+    cls = getattr(pipelining, TORCH_CLASS[schedule])
+    sched = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=m, loss_fn=metered_loss(mse))
+    opt = torch.optim.SGD(params, lr=1e-3)
+    data = _micro_batches(args, m)
+    x = torch.cat([d[0] for d in data])
+    y = torch.cat([d[1] for d in data])
+    first, last = 0 in ids, num_stages - 1 in ids
+
+    def step() -> None:
+        kwargs: dict[str, Any] = {}
+        if last:
+            kwargs["target"] = y
+        if first:
+            sched.step(x, **kwargs)
+        else:
+            sched.step(**kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    runner = Runner()
+    runner.step, runner.probe = step, probe
+    runner.peak = lambda: int(probe.meter.peak_bytes)  # type: ignore[union-attr]
+    return runner
+
+
+def _micro_batches(args: argparse.Namespace, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(args.rows, args.dim, generator=g), torch.randn(args.rows, args.dim, generator=g)) for _ in range(m)]
+
+
+# ---- measurement -----------------------------------------------------------------------------
+def _process_groups() -> set[Any]:
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def release_groups(before: set[Any]) -> int:
+    """Destroy the process groups a case created (DeepSpeed makes ~10 per engine).
+
+    Each gloo group keeps threads, and they are not free: with a few dozen engines'
+    worth alive in one process, later cases ran up to 2x slower. Every rank calls this
+    after the case's final collective.
+    """
+    from torch.distributed import distributed_c10d
+
+    new = [pg for pg in _process_groups() - before if pg is not distributed_c10d.GroupMember.WORLD]
+    for pg in new:
+        dist.destroy_process_group(pg)
+    return len(new)
+
+
+def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: int, rank: int) -> dict[str, Any]:
+    t_build = time.perf_counter()
+    if system == "torch":
+        runner = build_torch(schedule, args, p, m, rank)
+    else:
+        runner = build_deepspeed_like(system, schedule, args, p, m)
+    build_s = time.perf_counter() - t_build
+    steps = []
+    profiler = None
+    if args.profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    for i in range(args.warmup + args.steps):
+        runner.probe.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if profiler is not None and i >= args.warmup:
+            profiler.enable()
+        runner.step()
+        if profiler is not None:
+            profiler.disable()
+        t_local = time.perf_counter() - t0  # this rank's own work in the step
+        dist.barrier()
+        t1 = time.perf_counter()
+        if i >= args.warmup:
+            steps.append({"step_s": t1 - t0, "local_s": t_local, "peak_activation_bytes": runner.peak(), **runner.probe.snapshot()})
+    out: dict[str, Any] = {"build_s": build_s, "steps": steps}
+    if profiler is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(args.profile / f"{system}-{schedule}-m{m}-rank{rank}.pstats"))
+    if runner.schedule is not None:
+        out["schedule_info"] = {"name": runner.schedule.name, "chunks_per_rank": runner.schedule.chunks_per_rank}
+    return out
+
+
+def hop_latency(rank: int, numel: int, iters: int = 200) -> dict[str, float]:
+    """One-way latency of a small message between pipeline ranks 0 and 1 (ping-pong / 2)."""
+    res: dict[str, float] = {}
+    buf = torch.zeros(numel)
+    for name in ("gloo_send_recv", "ds_vshape_p2p"):
+        dist.barrier()
+        times = []
+        if rank in (0, 1):
+            p2p = P2P(global_rank_of=list(range(dist.get_world_size())), num_stages=2, micro_batches=1, seq_chunks=1,
+                      device=torch.device("cpu"), timeout_s=60, my_rank=rank)
+            peer = 1 - rank
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                if name == "gloo_send_recv":
+                    if rank == 0:
+                        dist.send(buf, 1)
+                        dist.recv(buf, 1)
+                    else:
+                        dist.recv(buf, 0)
+                        dist.send(buf, 0)
+                else:  # the engine's own path: header + payload, isend, irecv + wait
+                    if rank == 0:
+                        p2p.send_activations((buf,), stage=0, micro_batch=0, seq_chunk=0, peer=peer)
+                        p2p.recv_grads(stage=0, micro_batch=0, seq_chunk=0, peer=peer)
+                    else:
+                        p2p.recv_activations(stage=0, micro_batch=0, seq_chunk=0, peer=peer)
+                        p2p.send_grads((buf,), stage=0, micro_batch=0, seq_chunk=0, peer=peer)
+                    p2p.drain()
+                times.append(time.perf_counter() - t0)
+        if rank == 0:
+            res[name + "_s"] = statistics.median(times[iters // 10 :]) / 2
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        dist.barrier()
+    res["barrier_s"] = (time.perf_counter() - t0) / 50
+    got = [res]
+    dist.broadcast_object_list(got, src=0)
+    return got[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    latency = hop_latency(rank, args.rows * args.dim)
+    if rank == 0:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        _append(args.out, {"kind": "latency", "p": p, **latency})
+        print(f"[bench p={p}] one-hop latency: gloo {latency['gloo_send_recv_s'] * 1e3:.3f} ms, "
+              f"ds_vshape P2P {latency['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {latency['barrier_s'] * 1e3:.3f} ms", flush=True)
+    # Rounds run every case again, the second in reverse order, so that a burst of other
+    # load on the machine does not hit the same case twice; the report takes the best round.
+    order = [(t, m, c) for t in args.t_pass for m in args.m for c in cases(args)]
+    plan = [(rnd, t, m, c) for rnd in range(args.rounds) for t, m, c in (order if rnd % 2 == 0 else order[::-1])]
+    for rnd, t_pass, m, (system, schedule) in plan:
+        t0 = time.perf_counter()
+        groups = _process_groups()
+        case_args = argparse.Namespace(**{**vars(args), "t_pass": t_pass})
+        try:
+            mine: dict[str, Any] = run_case(system, schedule, case_args, p, m, rank)
+        except Exception as err:  # recorded so the other systems still run
+            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        gathered: list[Any] = [None] * p
+        dist.all_gather_object(gathered, mine)
+        gc.collect()
+        dist.barrier()
+        release_groups(groups)
+        gc.collect()
+        if rank == 0:
+            record = {"kind": "case", "system": system, "schedule": schedule, "p": p, "m": m, "t_pass_s": t_pass,
+                      "round": rnd, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+                      "layers_per_rank": args.layers_per_rank, "dim": args.dim, "rows": args.rows, "wall_s": time.perf_counter() - t0,
+                      "ranks": gathered}
+            _append(args.out, record)
+            errs = [g["error"] for g in gathered if "error" in g]
+            if errs:
+                status = "ERROR " + errs[0][:200]
+            else:
+                med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
+                status = f"step {med:.3f} s"
+            print(f"[bench p={p} m={m} T={t_pass * 1e3:g}ms round {rnd}] {system:9s} {schedule:22s} {status}  ({record['wall_s']:.1f} s)",
+                  flush=True)
+    dist.barrier()
+
+
+def _append(path: Path, obj: dict[str, Any]) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(obj) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()

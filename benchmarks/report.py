@@ -1,0 +1,589 @@
+"""Turn the raw benchmark lines into results: JSON rows, markdown tables, a plot, the targets.
+
+    python benchmarks/report.py            # reads benchmarks/results/raw/*.jsonl
+
+Writes ``benchmarks/results/``: ``emulated.json`` (a list of rows), ``emulated.md``,
+``emulated.png``, ``real.json``, ``real.md``, ``machine.json``; prints the targets table.
+
+Simulator columns, per row:
+
+* ``sim_s``: ds_vshape's simulator on the schedule that ran, with the set pass times and the
+  measured one-hop latency of plain gloo send/recv (what the issue asks for);
+* ``sim_lowered_s`` (ds_vshape): the same on the order the engine really executes. Its
+  lowering fuses a B directly followed by its own W into one pass, which sends the input
+  gradient only after W; for V-Half and V-Min that puts W on the critical path;
+* ``sim_calibrated_s``: the executed order with the costs *measured* in this row (median
+  instruction time per kind plus the pass's share of send/receive instruction time, the
+  step tail, gloo hop latency). When ``sim_s`` misses and this one fits, the gap is
+  per-instruction host cost and the fusion, not the schedule's shape.
+
+torch rows are simulated from torch's own orders (``benchmarks/torch_orders.py``);
+DeepSpeed's DualPipeV has no IR form here, so it has no simulator column.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ds_vshape.config import PipelineConfig  # noqa: E402
+from ds_vshape.schedules import Costs, Schedule, generate, simulate  # noqa: E402
+
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results"))
+RAW = RESULTS / "raw"
+W_MEMORY = 0.5  # ds_vshape's default; the emulated layer parks exactly this share (see emulated.py)
+TORCH_CLASS = {
+    "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B", "loopedbfs": "ScheduleLoopedBFS",
+    "interleavedzerobubble": "ScheduleInterleavedZeroBubble", "zbvzerobubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+# ds_vshape schedule -> torch schedules it is measured against (same placement family).
+COUNTERPARTS = {
+    "1f1b": ["1f1b"], "interleaved": ["interleaved1f1b"], "breadth-first": ["loopedbfs"],
+    "v-zb": ["zbvzerobubble", "interleavedzerobubble", "dualpipev"],
+}
+KIND_OF = {"ForwardPass": "F", "BackwardInput": "B", "BackwardWeight": "W", "FusedBackward": "BW", "BackwardPass": "BW"}
+COMPUTE = set(KIND_OF)
+WAITS = {"RecvActivation", "RecvGrad", "CommitP2P"}
+SYSTEM_ORDER = {"deepspeed": 0, "ds_vshape": 1, "torch": 2}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- schedules for the simulator -------------------------------------------------------------
+def schedule_of(system: str, schedule: str, p: int, m: int) -> Schedule | None:
+    if system == "ds_vshape":
+        return PipelineConfig(schedule=schedule).make_schedule(p, m)  # exactly what the engine built
+    if system == "deepspeed":
+        return generate("1f1b", p, m) if schedule == "1f1b" else None  # DualPipeV: no IR form
+    from benchmarks.torch_orders import torch_schedule
+
+    return torch_schedule(TORCH_CLASS[schedule], p, m)
+
+
+def chunks_of(system: str, schedule: str, sched: Schedule | None) -> int:
+    if sched is not None:
+        return sched.chunks_per_rank
+    return 2 if schedule == "dualpipev" else 1
+
+
+# ---- per-row figures -------------------------------------------------------------------------
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def pass_medians_ms(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Median instruction time per pass kind (ms), over every rank and timed step."""
+    per_kind: dict[str, list[float]] = {}
+    for r in ranks:
+        for step in r["steps"]:
+            for name, ms in step.get("handler_median_ms", {}).items():
+                if name in KIND_OF:
+                    per_kind.setdefault(KIND_OF[name], []).append(ms)
+    return {k: statistics.median(v) for k, v in per_kind.items()}
+
+
+def overhead_profile(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per rank (medians over steps): where the step went, for engines we can instrument."""
+    if not ranks[0]["steps"][0].get("handler_s"):
+        return None
+    out = []
+    for r in ranks:
+        rows = []
+        for s in r["steps"]:
+            h, n = s["handler_s"], s["handler_n"]
+            device = sum(s["device"]["slept_s"].values())
+            compute = sum(v for k, v in h.items() if k in COMPUTE)
+            n_compute = sum(v for k, v in n.items() if k in COMPUTE)
+            waits = sum(v for k, v in h.items() if k in WAITS)
+            other = sum(v for k, v in h.items() if k not in COMPUTE | WAITS)
+            rows.append({
+                "device_s": device, "compute_overhead_s": compute - device, "compute_passes": n_compute,
+                "overhead_ms_per_pass": 1e3 * (compute - device) / max(n_compute, 1),
+                "recv_wait_s": waits, "other_instructions_s": other, "outside_instructions_s": s["local_s"] - sum(h.values()),
+                "comm_instructions": sum(v for k, v in n.items() if k in WAITS or k.startswith("Send")),
+            })
+        out.append({k: statistics.median(x[k] for x in rows) for k in rows[0]})
+    return {"per_rank": out}
+
+
+def best_rounds(cases: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[float], list[float]]]:
+    """One record per (system, schedule, p, m): the round with the lowest median step time.
+
+    Returns (record, median of each round, every timed step of every round). A burst of
+    other load on the shared machine slows whatever runs then; the rounds run in opposite
+    orders, so the best round is the one the burst missed.
+    """
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for c in cases:
+        groups.setdefault((c["system"], c["schedule"], c["p"], c["m"], c["t_pass_s"]), []).append(c)
+    out = []
+    for recs in groups.values():
+        ok = [c for c in recs if not any("error" in r for r in c["ranks"])]
+        if not ok:
+            out.append((recs[0], [], []))
+            continue
+        medians = [statistics.median(s["step_s"] for s in c["ranks"][0]["steps"]) for c in ok]
+        best = ok[medians.index(min(medians))]
+        out.append((best, medians, [s["step_s"] for c in ok for s in c["ranks"][0]["steps"]]))
+    return out
+
+
+def as_lowered(sched: Schedule) -> Schedule:
+    """The order the engine really runs: its lowering fuses each B directly followed by its own W.
+
+    ``ds_vshape.schedules.lowering.merge_backward`` does this on every rank; the fused
+    pass sends the input gradient only after W, so the simulator sees the same delay.
+    """
+    from dataclasses import replace
+
+    from ds_vshape.schedules.lowering import merge_backward
+
+    return replace(sched, ranks=tuple(merge_backward(actions) for actions in sched.ranks))
+
+
+def calibrated_makespan(sched: Schedule, passes: dict[str, float], ranks: list[dict[str, Any]], lat: dict[str, float]) -> float:
+    """The simulator with this row's measured costs instead of the set ones.
+
+    * each compute pass takes its measured median instruction time, plus its share of the
+      rank's send and receive instructions at their fast end (p10: a receive whose data is
+      already there still costs its Python and rendezvous time, which the plain simulator
+      does not charge to the rank);
+    * one hop costs the measured gloo one-way latency;
+    * the step tail (reduce, optimizer step, loss broadcast, closing barrier) is added.
+    """
+    extra, tail = [], []
+    for r in ranks:
+        per_step_extra, per_step_tail = [], []
+        for st in r["steps"]:
+            h, n, p10 = st["handler_s"], st["handler_n"], st.get("handler_p10_ms", {})
+            comm = sum(h.get(k, 0.0) for k in ("SendActivation", "SendGrad"))
+            comm += sum(n.get(k, 0) * p10.get(k, 0.0) / 1e3 for k in WAITS)
+            passes_n = sum(v for k, v in n.items() if k in COMPUTE)
+            per_step_extra.append(comm / max(passes_n, 1))
+            per_step_tail.append(sum(h.get(k, 0.0) for k in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")))
+        extra.append(statistics.median(per_step_extra))
+        tail.append(statistics.median(per_step_tail))
+    alpha = statistics.median(extra)
+    v = sched.chunks_per_rank
+    f = (passes["F"] / 1e3 + alpha) * v
+    if "B" in passes and "W" in passes:
+        b, w = (passes["B"] / 1e3 + alpha) * v, (passes["W"] / 1e3 + alpha) * v
+    else:
+        b = w = (passes["BW"] / 1e3 + alpha) * v / 2
+    sim = simulate(sched, Costs(f=f, b=b, w=w, comm=lat.get("gloo_send_recv_s", 0.0), w_memory=W_MEMORY))
+    return sim.makespan + max(tail) + lat.get("barrier_s", 0.0)
+
+
+def build_rows(cases: list[dict[str, Any]], latency: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for c, round_medians, all_steps in best_rounds(cases):
+        system, name, p, m, t = c["system"], c["schedule"], c["p"], c["m"], c["t_pass_s"]
+        row: dict[str, Any] = {"system": system, "schedule": name, "p": p, "m": m, "t_pass_s": t,
+                               "ideal_s": m * 3 * t, "layers": p * c["layers_per_rank"]}
+        if system == "torch":
+            row["torch_class"] = TORCH_CLASS[name]
+        if system == "deepspeed":
+            row["deepspeed_class"] = "TrainSchedule" if name == "1f1b" else "DualPipeVSchedule"
+        errors = [r["error"] for r in c["ranks"] if "error" in r]
+        try:
+            sched = schedule_of(system, name, p, m)
+        except Exception as err:  # a schedule we cannot express: no simulator column
+            sched, row["sim_note"] = None, f"{type(err).__name__}: {err}"
+        row["v"] = chunks_of(system, name, sched)
+        if errors:
+            row["error"] = errors[0].splitlines()[0][:400]
+            rows.append(row)
+            continue
+        ranks = c["ranks"]
+        steps = [s["step_s"] for s in ranks[0]["steps"]]
+        row["step_time_s"] = statistics.median(steps)  # median of the timed steps of the best round
+        row["step_times_s"] = steps
+        row["round_medians_s"] = round_medians
+        row["step_time_all_rounds_median_s"] = statistics.median(all_steps)
+        row["efficiency"] = row["ideal_s"] / row["step_time_s"] if t > 0 else None
+        row["peak_activation_bytes"] = [max(s["peak_activation_bytes"] for s in r["steps"]) for r in ranks]
+        row["peak_activation_max_bytes"] = max(row["peak_activation_bytes"])
+        row["device_s_per_rank"] = [statistics.median(sum(s["device"]["slept_s"].values()) for s in r["steps"]) for r in ranks]
+        row["device_asked_s_per_rank"] = [statistics.median(sum(s["device"]["asked_s"].values()) for s in r["steps"]) for r in ranks]
+        passes = pass_medians_ms(ranks)
+        if passes:
+            row["pass_ms"] = passes
+        prof = overhead_profile(ranks)
+        if prof:
+            row["overhead"] = prof
+        lat = latency.get(p, {})
+        row["comm_hop_s"] = lat.get("gloo_send_recv_s")
+        if sched is not None and t > 0:
+            nominal = Costs(f=t, b=t, w=t, comm=lat.get("gloo_send_recv_s", 0.0), w_memory=W_MEMORY)
+            sim = simulate(sched, nominal)
+            row["sim_s"] = sim.makespan
+            row["sim_gap"] = row["step_time_s"] / sim.makespan - 1
+            row["sim_no_comm_s"] = simulate(sched, Costs(f=t, b=t, w=t, w_memory=W_MEMORY)).makespan
+            row["sim_peak_mem_mb"] = list(sim.peak_memory)
+            if system == "ds_vshape":
+                row["sim_lowered_s"] = simulate(as_lowered(sched), nominal).makespan
+                row["sim_lowered_gap"] = row["step_time_s"] / row["sim_lowered_s"] - 1
+            if passes and "F" in passes:
+                cal = calibrated_makespan(as_lowered(sched) if system == "ds_vshape" else sched, passes, ranks, lat)
+                row["sim_calibrated_s"] = cal
+                row["sim_calibrated_gap"] = row["step_time_s"] / cal - 1
+        rows.append(row)
+    _relative_to_deepspeed(rows)
+    rows.sort(key=lambda r: (r["p"], -r["m"], SYSTEM_ORDER[r["system"]]))
+    return rows
+
+
+def _relative_to_deepspeed(rows: list[dict[str, Any]]) -> None:
+    base = {(r["p"], r["m"], r["t_pass_s"]): r for r in rows if r["system"] == "deepspeed" and r["schedule"] == "1f1b" and "step_time_s" in r}
+    for r in rows:
+        b = base.get((r["p"], r["m"], r["t_pass_s"]))
+        if b is None or "step_time_s" not in r:
+            continue
+        r["speedup_vs_deepspeed_1f1b"] = b["step_time_s"] / r["step_time_s"]
+        r["mem_vs_deepspeed_1f1b"] = r["peak_activation_max_bytes"] / b["peak_activation_max_bytes"]
+        if "sim_peak_mem_mb" in r and "sim_peak_mem_mb" in b:
+            r["sim_mem_vs_1f1b"] = max(r["sim_peak_mem_mb"]) / max(b["sim_peak_mem_mb"])
+
+
+# ---- targets ---------------------------------------------------------------------------------
+def _find(rows: list[dict[str, Any]], system: str, schedule: str, p: int, m: int) -> dict[str, Any] | None:
+    for r in rows:
+        if (r["system"], r["schedule"], r["p"], r["m"]) == (system, schedule, p, m) and "step_time_s" in r:
+            return r
+    return None
+
+
+def targets(rows: list[dict[str, Any]], p: int = 4) -> list[dict[str, Any]]:
+    """Each target of issue 5, with the measured figure and the schedule-only bound."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, m: int, measured: float | None, goal: str, ok: bool | None, bound: str = "", note: str = "") -> None:
+        out.append({"target": name, "p": p, "m": m, "measured": measured, "goal": goal,
+                    "status": "n/a" if ok is None else ("pass" if ok else "MISS"), "bound": bound, "note": note})
+
+    ms = sorted({r["m"] for r in rows if r["p"] == p}, reverse=True)
+    ds = {m: _find(rows, "deepspeed", "1f1b", p, m) for m in ms}
+    for sched in ("v-zb", "zb-h2"):
+        for m in ms:
+            r = _find(rows, "ds_vshape", sched, p, m)
+            eff = r["efficiency"] if r else None
+            bound = f"schedule bound {r['ideal_s'] / r['sim_no_comm_s']:.3f}" if r else ""
+            add(f"{sched} efficiency (ideal / step)", m, eff, ">= 0.93", None if eff is None else eff >= 0.93, bound)
+    for m in ms:
+        r = _find(rows, "ds_vshape", "v-zb", p, m)
+        goal = 1.15 if m >= 16 else 1.30
+        sp = r.get("speedup_vs_deepspeed_1f1b") if r else None
+        bound = ""
+        if r and ds[m]:
+            bound = f"schedule bound {ds[m]['sim_no_comm_s'] / r['sim_no_comm_s']:.3f}"
+        add("v-zb speed-up over DeepSpeed 1F1B", m, sp, f">= {goal:.2f}x", None if sp is None else sp >= goal, bound,
+            f"steady-state theory (m+p-1)/m = {(m + p - 1) / m:.3f}")
+    for m in ms:
+        r = _find(rows, "ds_vshape", "1f1b", p, m)
+        ratio = r["step_time_s"] / ds[m]["step_time_s"] if r and ds[m] else None
+        add("ds_vshape 1f1b step / DeepSpeed 1F1B step", m, ratio, "<= 1.03", None if ratio is None else ratio <= 1.03)
+    for ours, theirs_list in COUNTERPARTS.items():
+        for theirs in theirs_list:
+            for m in ms:
+                a, b = _find(rows, "ds_vshape", ours, p, m), _find(rows, "torch", theirs, p, m)
+                ratio = a["step_time_s"] / b["step_time_s"] if a and b else None
+                bound = f"sim {a['sim_no_comm_s'] / b['sim_no_comm_s']:.3f}" if a and b and "sim_no_comm_s" in b else ""
+                add(f"ds_vshape {ours} step / torch {theirs} step", m, ratio, "<= 1.00", None if ratio is None else ratio <= 1.0, bound)
+    for sched, goal in (("v-half", 0.55), ("v-min", 0.40)):
+        for m in ms:
+            r = _find(rows, "ds_vshape", sched, p, m)
+            mem = r.get("mem_vs_deepspeed_1f1b") if r else None
+            bound = f"simulator {r['sim_mem_vs_1f1b']:.3f}" if r and "sim_mem_vs_1f1b" in r else ""
+            add(f"{sched} peak activation / 1F1B (busiest rank)", m, mem, f"<= {goal:.2f}", None if mem is None else mem <= goal, bound)
+    for m in ms:
+        ours = [r for r in rows if r["p"] == p and r["m"] == m and r["system"] == "ds_vshape" and "sim_gap" in r]
+        if not ours:
+            continue
+        worst = max(ours, key=lambda r: abs(r["sim_gap"]))
+        within = sum(abs(r["sim_gap"]) <= 0.05 for r in ours)
+        cal = [abs(r["sim_calibrated_gap"]) for r in ours if "sim_calibrated_gap" in r]
+        add("simulator vs measured, worst ds_vshape row |gap|", m, abs(worst["sim_gap"]), "<= 0.05", abs(worst["sim_gap"]) <= 0.05,
+            f"{within}/{len(ours)} rows within 5%", f"worst: {worst['schedule']}; calibrated pass times: worst |gap| {max(cal):.3f}" if cal else "")
+    return out
+
+
+def targets_markdown(ts: list[dict[str, Any]]) -> str:
+    lines = ["| target | p | m | measured | goal | status | bound / context |", "|---|--:|--:|--:|---|---|---|"]
+    for t in ts:
+        val = "n/a" if t["measured"] is None else f"{t['measured']:.3f}"
+        ctx = "; ".join(x for x in (t["bound"], t["note"]) if x)
+        lines.append(f"| {t['target']} | {t['p']} | {t['m']} | {val} | {t['goal']} | {t['status']} | {ctx} |")
+    return "\n".join(lines)
+
+
+# ---- tables ----------------------------------------------------------------------------------
+def _f(x: Any, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def sensitivity_markdown(rows: list[dict[str, Any]], sens: list[dict[str, Any]]) -> list[str]:
+    """The same cases with longer passes: what a fixed per-instruction cost does to the figures."""
+    out: list[str] = []
+    zero = [r for r in sens if r["t_pass_s"] == 0 and "step_time_s" in r]
+    if zero:
+        out += ["## Host cost per step: the same cases on a zero-time device", "",
+                "Every sleep set to 0: what remains is each engine's own per-step cost on this machine (Python, autograd "
+                "of the tiny layers, gloo messages, the closing barrier), with the 4 ranks now competing for the 2 cores.", "",
+                "| system | schedule | p | m | step (ms) | sends+recvs per step, busiest rank |", "|---|---|--:|--:|--:|--:|"]
+        for r in zero:
+            comm = ""
+            if "overhead" in r:
+                comm = str(max(x.get("comm_instructions", 0) for x in r["overhead"]["per_rank"]) or "")
+            out.append(f"| {r['system']} | {r['schedule']} | {r['p']} | {r['m']} | {r['step_time_s'] * 1e3:.1f} | {comm} |")
+        out.append("")
+    sens = [r for r in sens if r["t_pass_s"] > 0]
+    if not sens:
+        return out
+    out += ["## Sensitivity: longer passes", "",
+           "The same cases with longer passes. Per-instruction host costs (a few tenths of a ms to ~1.5 ms per "
+           "instruction on this machine, see the last table) stay the same, so their share of the step shrinks; the "
+           "measured figures move towards the simulator's.", "",
+           "| system | schedule | p | m | T (ms) | step (s) | eff. | gap to sim | gap to sim cal. | speed-up vs DS 1F1B | eff. at base T |",
+           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in sens:
+        if "step_time_s" not in r:
+            continue
+        base = next((b for b in rows if (b["system"], b["schedule"], b["p"], b["m"]) == (r["system"], r["schedule"], r["p"], r["m"])
+                     and "efficiency" in b), None)
+        out.append(f"| {r['system']} | {r['schedule']} | {r['p']} | {r['m']} | {r['t_pass_s'] * 1e3:.0f} | {r['step_time_s']:.3f} "
+                   f"| {r['efficiency']:.3f} | {_f(r.get('sim_gap'), '+.1%')} | {_f(r.get('sim_calibrated_gap'), '+.1%')} "
+                   f"| {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')} | {_f(base['efficiency'] if base else None, '.3f')} |")
+    out.append("")
+    return out
+
+
+def emulated_markdown(rows: list[dict[str, Any]], machine: dict[str, Any], latency: dict[int, dict[str, float]], ts: list[dict[str, Any]],
+                      sensitivity: list[dict[str, Any]] | None = None) -> str:
+    t_pass = rows[0]["t_pass_s"] if rows else 0.0
+    out = [
+        "# Emulated-device benchmark",
+        "",
+        "Every system trains the same emulated model (`benchmarks/emulated.py`): "
+        f"{rows[0]['layers'] if rows else '?'} layers, each F, B and W pass of a 1/p slice takes {t_pass * 1e3:.0f} ms of wall time "
+        "spent sleeping (no CPU), a V/looped chunk half of it. Step time is the median of the timed steps, each one isolated "
+        "optimizer step between two barriers; every case runs in two rounds (the second in reverse order) and the "
+        "table shows the round with the lower median (the JSON has every step of both). `ideal` = m x (T_F + T_B + T_W).",
+        "",
+        f"Machine: {machine['cpu']} ({machine['cores']} cores), {machine['platform']}; Python {machine['python']}, torch "
+        f"{machine['torch']}, deepspeed {machine['deepspeed']}, transformers {machine['transformers']}; commit {machine['commit']}. "
+        f"Load average before/after: {machine.get('load', {})}.",
+        "",
+    ]
+    for p, lat in sorted(latency.items()):
+        out.append(f"p={p}: one-hop latency gloo send/recv {lat['gloo_send_recv_s'] * 1e3:.3f} ms, ds_vshape P2P "
+                   f"(header + payload) {lat['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {lat['barrier_s'] * 1e3:.3f} ms.")
+    out.append("")
+    header = ("| system | schedule | v | step (s) | ideal (s) | eff. | sim (s) | gap | sim as run (s) | sim cal. (s) | gap cal. | speed-up vs DS 1F1B "
+              "| peak act. busiest (KiB) | mem vs DS 1F1B | sim mem vs 1F1B | F / B / W / BW (ms) |")
+    sep = "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
+    for (p, m) in sorted({(r["p"], r["m"]) for r in rows}, key=lambda k: (k[0], -k[1])):
+        out += [f"## p = {p}, m = {m}", "", header, sep]
+        for r in (r for r in rows if r["p"] == p and r["m"] == m):
+            name = r["schedule"] if r["system"] != "torch" else f"{r['schedule']} ({r['torch_class']})"
+            if "error" in r:
+                out.append(f"| {r['system']} | {name} | {r['v']} | error: {r['error'][:120]} |" + " |" * 12)
+                continue
+            passes = r.get("pass_ms", {})
+            pm = " / ".join(_f(passes.get(k), ".1f") or "-" for k in ("F", "B", "W", "BW")) if passes else ""
+            out.append(
+                f"| {r['system']} | {name} | {r['v']} | {r['step_time_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.3f} "
+                f"| {_f(r.get('sim_s'), '.3f')} | {_f(r.get('sim_gap'), '+.1%')} | {_f(r.get('sim_lowered_s'), '.3f')} "
+                f"| {_f(r.get('sim_calibrated_s'), '.3f')} "
+                f"| {_f(r.get('sim_calibrated_gap'), '+.1%')} | {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')} "
+                f"| {r['peak_activation_max_bytes'] / 1024:.0f} | {_f(r.get('mem_vs_deepspeed_1f1b'), '.3f')} "
+                f"| {_f(r.get('sim_mem_vs_1f1b'), '.3f')} | {pm} |"
+            )
+        out.append("")
+    out += ["## Targets (issue 5)", "", targets_markdown(ts), ""]
+    if sensitivity:
+        out += sensitivity_markdown(rows, sensitivity)
+    out += ["## Where the time goes (DeepSpeed-based engines, median per rank)", "",
+            "`overhead/pass` = instruction time of F/B/W minus the emulated device time, per pass; `recv wait` = time in "
+            "receive instructions; `outside` = time in `train_batch` outside any instruction (loss broadcast, waiting at the end).",
+            "", "| system | schedule | p | m | overhead/pass (ms) per rank | recv wait (s) per rank | outside (s) per rank |",
+            "|---|---|--:|--:|---|---|---|"]
+    for r in rows:
+        if "overhead" not in r:
+            continue
+        pr = r["overhead"]["per_rank"]
+        out.append(f"| {r['system']} | {r['schedule']} | {r['p']} | {r['m']} | "
+                   + ", ".join(f"{x['overhead_ms_per_pass']:.2f}" for x in pr) + " | "
+                   + ", ".join(f"{x['recv_wait_s']:.3f}" for x in pr) + " | "
+                   + ", ".join(f"{x['outside_instructions_s']:.3f}" for x in pr) + " |")
+    out.append("")
+    return "\n".join(out)
+
+
+# ---- plot ------------------------------------------------------------------------------------
+def plot(rows: list[dict[str, Any]], path: Path, p: int = 4) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = sorted({r["m"] for r in rows if r["p"] == p and "step_time_s" in r}, reverse=True)
+    if not ms:
+        return
+    colors = {"deepspeed": "#7f7f7f", "ds_vshape": "#1f77b4", "torch": "#ff7f0e"}
+    fig, axes = plt.subplots(2, len(ms), figsize=(7 * len(ms), 11), squeeze=False)
+    for col, m in enumerate(ms):
+        rs = [r for r in rows if r["p"] == p and r["m"] == m and "step_time_s" in r]
+        labels = [f"{r['system']}: {r['schedule']}" for r in rs]
+        y = list(range(len(rs)))[::-1]
+        ax = axes[0][col]
+        ax.barh(y, [r["step_time_s"] for r in rs], color=[colors[r["system"]] for r in rs])
+        sim_y = [yy for yy, r in zip(y, rs) if "sim_s" in r]
+        ax.scatter([r["sim_s"] for r in rs if "sim_s" in r], sim_y, marker="|", s=200, color="black", zorder=3, label="simulator (set pass times + comm)")
+        ax.axvline(rs[0]["ideal_s"], color="green", linestyle="--", label=f"ideal m(F+B+W) = {rs[0]['ideal_s']:.2f} s")
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.set_xlabel("step time (s), lower is better")
+        ax.set_title(f"Emulated device, p={p}, m={m}: step time")
+        ax.set_xlim(0, max(r["step_time_s"] for r in rs) * 1.12)
+        for yy, r in zip(y, rs):
+            ax.text(r["step_time_s"], yy, f" {r['efficiency']:.2f}", va="center", fontsize=7)  # base T > 0 rows only
+        ax.legend(loc="lower right", fontsize=8)
+        ax = axes[1][col]
+        mem = [r.get("mem_vs_deepspeed_1f1b") or 0.0 for r in rs]
+        ax.barh(y, mem, color=[colors[r["system"]] for r in rs])
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.set_xlabel("peak activation bytes on the busiest rank / DeepSpeed 1F1B")
+        ax.set_title(f"p={p}, m={m}: measured activation memory")
+        for yy, v in zip(y, mem):
+            ax.text(v, yy, f" {v:.2f}", va="center", fontsize=7)
+    fig.text(0.01, 0.005, "grey: DeepSpeed  blue: ds_vshape  orange: torch.distributed.pipelining; numbers on bars: efficiency = ideal / step",
+             fontsize=8)
+    fig.tight_layout(rect=(0, 0.01, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- real compute ----------------------------------------------------------------------------
+def real_rows(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for c in cases:
+        row: dict[str, Any] = {"system": c["system"], "schedule": c["schedule"], "p": c["p"]}
+        errors = [r["error"] for r in c["ranks"] if "error" in r]
+        if errors:
+            row["error"] = errors[0].splitlines()[0][:400]
+            rows.append(row)
+            continue
+        r0 = c["ranks"][0]
+        steps = [s["step_s"] for s in r0["steps"]]
+        row.update({
+            "tokens_per_step": r0["tokens_per_step"], "step_time_s": statistics.median(steps), "step_times_s": steps,
+            "loss_last": r0["steps"][-1]["loss"],
+            "peak_activation_bytes": [max(s["peak_activation_bytes"] for s in r["steps"]) for r in c["ranks"]],
+        })
+        row["tokens_per_s"] = row["tokens_per_step"] / row["step_time_s"]
+        row["peak_activation_max_bytes"] = max(row["peak_activation_bytes"])
+        rows.append(row)
+    base = next((r for r in rows if r["system"] == "deepspeed" and "step_time_s" in r), None)
+    for r in rows:
+        if base and "step_time_s" in r:
+            r["speedup_vs_deepspeed_1f1b"] = base["step_time_s"] / r["step_time_s"]
+            r["mem_vs_deepspeed_1f1b"] = r["peak_activation_max_bytes"] / base["peak_activation_max_bytes"]
+    return rows
+
+
+def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
+    out = ["# Real compute: the recipe's tiny Llama at p = 2", "",
+           "`recipes/train_hf.py`'s default model (Llama, hidden 64, 8 blocks, bytes as tokens) and `ds_configs/<schedule>.json` "
+           "(AdamW, 8 micro-batches of 4 x 64 tokens, clipping 1.0), 2 ranks on the 2 cores. Median of the timed steps; "
+           "CPU-bound and sensitive to other load on the machine.", "",
+           f"Machine: {machine['cpu']} ({machine['cores']} cores); load average before/after: {machine.get('load', {}).get('real')}.", "",
+           "| system | schedule | step (s) | tokens/s | vs DS 1F1B | peak act. per rank (MiB) | mem vs DS 1F1B |",
+           "|---|---|--:|--:|--:|---|--:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['system']} | {r['schedule']} | error: {r['error'][:120]} | | | | |")
+            continue
+        peaks = ", ".join(f"{b / 2**20:.2f}" for b in r["peak_activation_bytes"])
+        out.append(f"| {r['system']} | {r['schedule']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} "
+                   f"| {_f(r.get('speedup_vs_deepspeed_1f1b'), '.2f')}x | {peaks} | {_f(r.get('mem_vs_deepspeed_1f1b'), '.2f')} |")
+    return "\n".join(out) + "\n"
+
+
+# ---- machine ---------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    import deepspeed
+    import torch
+    import transformers
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit += " (ds_vshape/ has uncommitted changes)" if dirty else ""
+    except OSError:
+        commit = "unknown"
+    load = {}
+    for f in sorted(RAW.glob("load_*.txt")):
+        load[f.stem[5:]] = f.read_text().strip()
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+        "commit": commit, "load": load,
+    }
+
+
+def main() -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    (RESULTS / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")
+    lines = [x for f in sorted(RAW.glob("emulated_p*.jsonl")) for x in read_jsonl(f)]
+    latency: dict[int, dict[str, float]] = {}
+    for x in lines:  # the main run of each p comes first (sorted file names); keep its measurement
+        if x["kind"] == "latency":
+            latency.setdefault(x["p"], x)
+    all_rows = build_rows([x for x in lines if x["kind"] == "case"], latency)
+    (RESULTS / "emulated.json").write_text(json.dumps(all_rows, indent=1) + "\n")
+    ts_count: dict[float, int] = {}
+    for r in all_rows:
+        ts_count[r["t_pass_s"]] = ts_count.get(r["t_pass_s"], 0) + 1
+    base_t = max(ts_count, key=lambda t: ts_count[t]) if ts_count else 0.0
+    rows = [r for r in all_rows if r["t_pass_s"] == base_t]
+    sens = [r for r in all_rows if r["t_pass_s"] != base_t]
+    ts = targets(rows)
+    for p in sorted({r["p"] for r in rows} - {4}):
+        ts += [t for t in targets(rows, p) if t["measured"] is not None]
+    (RESULTS / "emulated.md").write_text(emulated_markdown(rows, machine, latency, ts, sens))
+    plot(rows, RESULTS / "emulated.png")
+    real = real_rows([x for x in read_jsonl(RAW / "real_p2.jsonl") if x["kind"] == "real"])
+    if real:
+        (RESULTS / "real.json").write_text(json.dumps(real, indent=1) + "\n")
+        (RESULTS / "real.md").write_text(real_markdown(real, machine))
+    print(targets_markdown(ts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

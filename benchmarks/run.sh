@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Regenerate every benchmark result (issue 5) in benchmarks/results/: about 10 minutes on
+# 2 idle CPU cores.  `make bench` runs this with .venv/bin first on PATH.
+#
+#   bash benchmarks/run.sh
+#
+# Phases: emulated device at p=4 (DeepSpeed, ds_vshape, torch.distributed.pipelining; m=16
+# and m=8, two rounds), a sensitivity subset, a p=8 subset, real compute at p=2, then
+# benchmarks/report.py (tables, plot, targets).
+# Knobs (environment): PYTHON, T_PASS (0.02 s per pass of a 1/p slice), WARMUP (1),
+# STEPS (3 timed steps per round), ROUNDS (2), SENS (1: a p=4, m=8 subset again with
+# T_PASS_LONG=0.06 s passes and with zero-time passes), P8 (1: run the p=8 subset), REAL (1:
+# run real compute), PHASE_TIMEOUT (900 s, per phase: a hang guard). Worker logs: benchmarks/results/raw/*.log.
+# The machine should be otherwise idle: other load shows up as step time.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -z ${PYTHON:-} ]]; then
+    if command -v python >/dev/null && python -c 'import deepspeed' >/dev/null 2>&1; then PYTHON=python
+    elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python
+    else PYTHON=python3; fi
+fi
+T_PASS=${T_PASS:-0.02}
+WARMUP=${WARMUP:-1}
+STEPS=${STEPS:-3}
+ROUNDS=${ROUNDS:-2}
+P8=${P8:-1}
+SENS=${SENS:-1}
+T_PASS_LONG=${T_PASS_LONG:-0.06}
+REAL=${REAL:-1}
+PHASE_TIMEOUT=${PHASE_TIMEOUT:-900}
+RAW=benchmarks/results/raw
+
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# One thread per rank: the emulated ranks sleep, and real compute runs one rank per core.
+export OMP_NUM_THREADS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+rm -rf "$RAW"
+mkdir -p "$RAW"
+
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# phase NAME NPROC SCRIPT ARGS...: one torchrun launch; progress lines on screen, the rest in the log.
+phase() {
+    local name=$1 nproc=$2 script=$3
+    shift 3
+    local log="$RAW/$name.log" t0=$SECONDS status=0
+    echo "== $name: $nproc ranks (log: $log)"
+    local before
+    before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
+    timeout "$PHASE_TIMEOUT" "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$(free_port)" \
+        "$script" "$@" >"$log" 2>&1 || status=$?
+    grep -E '^\[(bench|real) ' "$log" || true
+    echo "$before -> $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")" >"$RAW/load_$name.txt"
+    if [[ $status -ne 0 ]]; then
+        tail -n 30 "$log" >&2
+        echo "run.sh: phase $name failed (exit $status); continuing with what it recorded" >&2
+    fi
+    echo "   ($((SECONDS - t0)) s)"
+}
+
+start=$SECONDS
+load=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)
+if awk "BEGIN{exit !($load > 2.0)}"; then
+    echo "run.sh: warning: load average $load before the run; other work on the machine inflates step times" >&2
+fi
+phase emulated_p4 4 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
+    --t-pass "$T_PASS" --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS" --micro-batches 16 8 --out "$RAW/emulated_p4.jsonl"
+if [[ $SENS == 1 ]]; then
+    # The same work with 3x longer passes, and on a zero-time device (pure host cost per step).
+    phase emulated_p4_sensitivity 4 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
+        --schedules 1f1b zb-h2 v-zb v-half v-min zbvzerobubble \
+        --t-pass "$T_PASS_LONG" 0 --warmup 1 --steps 3 --rounds 1 --micro-batches 8 --out "$RAW/emulated_p4_sensitivity.jsonl"
+fi
+if [[ $P8 == 1 ]]; then
+    phase emulated_p8 8 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
+        --schedules 1f1b zb-h2 v-zb v-half v-min zbvzerobubble \
+        --t-pass "$T_PASS" --warmup 1 --steps 3 --rounds 1 --micro-batches 16 --out "$RAW/emulated_p8.jsonl"
+fi
+if [[ $REAL == 1 ]]; then
+    phase real 2 benchmarks/bench_real.py --warmup 1 --steps 4 --out "$RAW/real_p2.jsonl"
+fi
+echo
+"$PYTHON" benchmarks/report.py
+echo
+echo "results: benchmarks/results/{emulated.json,emulated.md,emulated.png,real.json,real.md,machine.json}"
+echo "wall time: $((SECONDS - start)) s"
