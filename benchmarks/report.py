@@ -461,6 +461,7 @@ def plot(rows: list[dict[str, Any]], path: Path, p: int = 4) -> None:
         ax.set_xlim(0, max(r["step_time_s"] for r in rs) * 1.12)
         for yy, r in zip(y, rs):
             ax.text(r["step_time_s"], yy, f" {r['efficiency']:.2f}", va="center", fontsize=7)  # base T > 0 rows only
+        ax.set_ylim(-2.2, len(rs) - 0.4)  # room under the bars for the legend
         ax.legend(loc="lower right", fontsize=8)
         ax = axes[1][col]
         mem = [r.get("mem_vs_deepspeed_1f1b") or 0.0 for r in rs]
@@ -525,6 +526,21 @@ def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
 
 
 # ---- machine ---------------------------------------------------------------------------------
+def _commit() -> str:
+    """The commit measured: run.sh records it when the run starts; else the current HEAD."""
+    recorded = RAW / "commit.txt"
+    if recorded.exists():
+        words = recorded.read_text().split()
+        if words:
+            return words[0] + (" (ds_vshape/ had uncommitted changes)" if "dirty" in words[1:] else "")
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+    return head + (" (ds_vshape/ has uncommitted changes)" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
     import deepspeed
     import torch
@@ -538,12 +554,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        commit += " (ds_vshape/ has uncommitted changes)" if dirty else ""
-    except OSError:
-        commit = "unknown"
+    commit = _commit()
     load = {}
     for f in sorted(RAW.glob("load_*.txt")):
         load[f.stem[5:]] = f.read_text().strip()

@@ -38,6 +38,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 rm -rf "$RAW"
 mkdir -p "$RAW"
+# The code measured: commit, and whether the runtime had uncommitted changes.
+{ git rev-parse --short HEAD 2>/dev/null || echo unknown
+  git status --porcelain -- ds_vshape 2>/dev/null | grep -q . && echo "dirty" || true; } >"$RAW/commit.txt"
 
 free_port() {
     "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
