@@ -3,7 +3,9 @@
 A fixed chain of small passes, each a pure function tested alone:
 
 1. ``merge_backward``    B immediately followed by its own W becomes one fused BW
-                         (nothing could run in between, so splitting only costs a store).
+                         (nothing could run in between, so splitting only costs a store),
+                         unless B's input gradient goes to another rank: fusing would
+                         hold that send back by a whole W pass on the critical path.
 2. ``add_communication`` sends after the producing pass, receives right before the
                          consuming pass; a neighbour stage on the same rank (the turn of
                          the V at rank p-1) is a local hand-off with no message.
@@ -71,14 +73,16 @@ class Op:
         return " ".join(parts)
 
 
-def merge_backward(actions: tuple[Action, ...]) -> tuple[Action, ...]:
-    """Fuse each B that is directly followed by its own W."""
+def merge_backward(actions: tuple[Action, ...], *, sends_grad: frozenset[int] = frozenset()) -> tuple[Action, ...]:
+    """Fuse each B that is directly followed by its own W, except on ``sends_grad`` stages
+    (those whose input gradient is sent to another rank right after B)."""
     out: list[Action] = []
     i = 0
     while i < len(actions):
         a = actions[i]
         nxt = actions[i + 1] if i + 1 < len(actions) else None
-        if a.kind is Kind.B and nxt is not None and nxt.kind is Kind.W and nxt.unit == a.unit:
+        fusable = a.kind is Kind.B and a.stage not in sends_grad
+        if fusable and nxt is not None and nxt.kind is Kind.W and nxt.unit == a.unit:
             out.append(Action(Kind.BW, *a.unit))
             i += 2
         else:
@@ -161,7 +165,9 @@ def lower(schedule: Schedule, rank: int, *, train: bool = True) -> list[Op]:
         # can follow without waiting on a later micro-batch.
         forwards = [a for a in actions if a.kind is Kind.F]
         actions = tuple(sorted(forwards, key=lambda a: (a.micro_batch + a.stage, a.stage, a.seq_chunk)))
-    ops = add_communication(schedule, rank, merge_backward(actions))
+    owner = schedule.stage_to_rank
+    remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
+    ops = add_communication(schedule, rank, merge_backward(actions, sends_grad=remote))
     ops = assign_buffers(add_data_loading(schedule, ops))
     return add_step_tail(ops) if train else ops
 

@@ -13,6 +13,16 @@ def test_merge_backward_fuses_only_adjacent_pairs_of_the_same_unit() -> None:
     assert merge_backward(actions) == (F(0, 0), BW(0, 0), F(0, 1), B(0, 1), F(0, 2), W(0, 1))
 
 
+def test_no_fusion_where_the_input_gradient_leaves_the_rank() -> None:
+    actions = (F(1, 0), B(1, 0), W(1, 0))
+    assert merge_backward(actions, sends_grad=frozenset({1})) == actions
+    # Through the whole chain: rank 1 of zb-h1 sends every input gradient to rank 0.
+    ops = lower(generate("zb-h1", 2, 4), 1)
+    assert OpKind.BACKWARD not in [op.kind for op in ops]
+    send_after_b = [ops[i + 1].kind for i, op in enumerate(ops) if op.kind is OpKind.BACKWARD_INPUT]
+    assert set(send_after_b) == {OpKind.SEND_GRAD}
+
+
 def test_communication_is_added_only_between_ranks() -> None:
     # V placement for p=2: stages 0,3 on rank 0, stages 1,2 on rank 1; 1 -> 2 is a local hand-off.
     sched = generate("1f1b", 2, 2)
