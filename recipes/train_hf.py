@@ -295,7 +295,7 @@ class Job:
 
 
 def setup(args: argparse.Namespace) -> Job:
-    config = read_config(args)
+    read_config(args)  # fails early, on every rank alike, for a bad config
     world = dist.get_world_size()
     tokenizer = tokenizer_for(args.model)
     train_ids, val_ids = load_tokens(args.data, tokenizer)

@@ -191,20 +191,18 @@ class VShapeEngine(PipelineEngine):
     def clip_fp32_gradients(self) -> None:
         """Clip by the global norm over all stages (DeepSpeed's own takes a per-stage norm)."""
         max_norm = self.gradient_clipping()
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        grads = [(p.grad, getattr(p, "ds_pipe_replicated", False)) for p in self.module.parameters() if p.grad is not None]
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            local += g.detach().double().pow(2).sum()
+        for g, replicated in grads:
+            if not replicated:  # a tied copy on a second rank counts once, on its owner
+                local += g.detach().double().pow(2).sum()
         dist.all_reduce(local, group=self.grid.get_pipe_parallel_group())
         total = math.sqrt(local.item())
         self._global_grad_norm = total
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads:
+            for g, _ in grads:
                 g.detach().mul_(coef)
-        for p in self.module.parameters():  # replicated tied copies get the same scaling
-            if p.grad is not None and getattr(p, "ds_pipe_replicated", False) and coef < 1.0:
-                p.grad.detach().mul_(coef)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

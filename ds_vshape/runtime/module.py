@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import torch
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.module import PipelineModule as _DSPipelineModule
