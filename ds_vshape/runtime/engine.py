@@ -53,7 +53,7 @@ class VShapeEngine(PipelineEngine):
         self._p2p = P2P(
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
             num_stages=self.num_model_stages, micro_batches=max(self.micro_batches, 1), seq_chunks=self.schedule.seq_chunks,
-            device=self.device, timeout_s=vs_config.p2p_timeout_s, my_rank=self.stage_id,
+            device=self.device, timeout_s=vs_config.p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
         self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
         self._reset_step_state()
@@ -90,6 +90,7 @@ class VShapeEngine(PipelineEngine):
         self._reset_step_state()
         self._meter.reset_peak()
         self.tput_timer.start()
+        self._p2p.start_step(pipe_schedule.recv_plan)
         try:
             super()._exec_schedule(pipe_schedule)
             self._p2p.drain()
@@ -136,21 +137,21 @@ class VShapeEngine(PipelineEngine):
         self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
         return loss
 
-    def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+    def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
         tensors = _tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
-        self._p2p.send_activations(tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+        self._p2p.send_activations(tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
 
-    def _exec_recv_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
-        got = self._p2p.recv_activations(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+    def _exec_recv_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
+        got = self._p2p.recv_activations(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
         self._act_in[(stage, micro_batch, seq_chunk)] = got[0] if len(got) == 1 else got
 
-    def _exec_send_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+    def _exec_send_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
         grads = self._grad_in.pop((stage, micro_batch, seq_chunk))
-        self._p2p.send_grads(grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+        self._p2p.send_grads(grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
 
-    def _exec_recv_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any) -> None:
+    def _exec_recv_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
         unit = (stage, micro_batch, seq_chunk)
-        self._grad_in[unit] = self._p2p.recv_grads(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer)
+        self._grad_in[unit] = self._p2p.recv_grads(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
 
     def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         with self._store.deferring((stage, micro_batch, seq_chunk)):

@@ -13,10 +13,11 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ..schedules import Schedule
 from ..schedules.lowering import Op, OpKind, lower
+from .comm import ACT, GRAD, Recv
 
 __all__ = [
     "LoadMicroBatch", "RecvActivation", "ForwardPass", "SendActivation", "RecvGrad",
-    "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "to_instruction",
+    "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "recv_plan", "to_instruction",
 ]
 
 
@@ -24,11 +25,15 @@ class _UnitInstruction(ds_schedule.PipeInstruction):
     """An instruction about one unit; kwargs: stage, micro_batch, seq_chunk, peer, buffer_id."""
 
 
+class _CommInstruction(_UnitInstruction):
+    """A send or receive; kwargs add ``header`` (this transfer carries the shapes)."""
+
+
 class LoadMicroBatch(ds_schedule.PipeInstruction):
     pass
 
 
-class RecvActivation(_UnitInstruction):
+class RecvActivation(_CommInstruction):
     pass
 
 
@@ -36,11 +41,11 @@ class ForwardPass(_UnitInstruction):
     pass
 
 
-class SendActivation(_UnitInstruction):
+class SendActivation(_CommInstruction):
     pass
 
 
-class RecvGrad(_UnitInstruction):
+class RecvGrad(_CommInstruction):
     pass
 
 
@@ -56,7 +61,7 @@ class FusedBackward(_UnitInstruction):
     """BW: the whole backward of one unit at once, as 1F1B runs it."""
 
 
-class SendGrad(_UnitInstruction):
+class SendGrad(_CommInstruction):
     pass
 
 
@@ -80,9 +85,20 @@ def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
     cls = _CLASSES[op.kind]
     if op.kind is OpKind.LOAD:
         return cls(micro_batch=op.micro_batch)
+    unit = dict(stage=op.stage, micro_batch=op.micro_batch, seq_chunk=op.seq_chunk, peer=op.peer, buffer_id=op.buffer)
+    if issubclass(cls, _CommInstruction):
+        return cls(**unit, header=op.header)
     if issubclass(cls, _UnitInstruction):
-        return cls(stage=op.stage, micro_batch=op.micro_batch, seq_chunk=op.seq_chunk, peer=op.peer, buffer_id=op.buffer)
+        return cls(**unit)
     return cls()
+
+
+def recv_plan(ops: list[Op]) -> tuple[Recv, ...]:
+    """The rank's receives in execution order, for posting them ahead of need."""
+    return tuple(
+        Recv(ACT if op.kind is OpKind.RECV_ACT else GRAD, op.stage, op.micro_batch, op.seq_chunk, op.peer, op.header)
+        for op in ops if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+    )
 
 
 class IRSchedule(ds_schedule.PipeSchedule):
@@ -92,6 +108,7 @@ class IRSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
         self.schedule = schedule
         self.ops = lower(schedule, rank, train=train)
+        self.recv_plan = recv_plan(self.ops)
         self._instructions = [to_instruction(op) for op in self.ops]
 
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:

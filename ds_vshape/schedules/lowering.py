@@ -12,7 +12,10 @@ A fixed chain of small passes, each a pure function tested alone:
 3. ``add_data_loading``  loads micro-batches in order, just before first use.
 4. ``assign_buffers``    gives every unit in flight on the rank a buffer slot, reusing
                          freed slots, so the slot count is the rank's peak in-flight count.
-5. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
+5. ``mark_shape_headers`` flags the one transfer per (direction, stage) and step that carries
+                         the tensors' shapes; the others send the payload alone, one message
+                         per tensor, and the receiver posts it early with the shapes it knows.
+6. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
 
 Ops name pipeline ranks (``peer``), never process-group ranks; the runtime maps them.
 """
@@ -26,7 +29,7 @@ from .ir import Action, Kind, Schedule
 
 __all__ = [
     "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
-    "assign_buffers", "add_step_tail", "format_ops",
+    "assign_buffers", "first_sends", "mark_shape_headers", "add_step_tail", "format_ops",
 ]
 
 
@@ -59,6 +62,7 @@ class Op:
     seq_chunk: int = 0
     peer: int | None = None
     buffer: int | None = None
+    header: bool = False  # a send or receive that carries the shapes (see mark_shape_headers)
 
     def __str__(self) -> str:
         parts = [self.kind.value]
@@ -70,6 +74,8 @@ class Op:
             parts.append(f"peer{self.peer}")
         if self.buffer is not None:
             parts.append(f"buf{self.buffer}")
+        if self.header:
+            parts.append("hdr")
         return " ".join(parts)
 
 
@@ -153,23 +159,73 @@ def assign_buffers(ops: list[Op]) -> list[Op]:
     return out
 
 
+_SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
+_RECVS = {OpKind.RECV_ACT: OpKind.SEND_ACT, OpKind.RECV_GRAD: OpKind.SEND_GRAD}
+
+
+def mark_shape_headers(ops: list[Op], first_sent: dict[tuple[OpKind, int], tuple[int, int]]) -> list[Op]:
+    """Flag the first transfer of each (direction, stage) in the *sender's* order.
+
+    Shapes rarely change within a step, so one header per step and link is enough; sending
+    it every step still lets shapes change between steps (a new sequence length). The
+    receiver must know which of its receives brings the header, and that is the sender's
+    first send, not necessarily its own first receive; both sides derive it from the same
+    schedule (``first_sends``). Because the sender sends that unit before any other of the
+    link, a receiver that needs another unit first can wait for the header without deadlock.
+    """
+    seen: set[tuple[OpKind, int]] = set()
+    out: list[Op] = []
+    for op in ops:
+        if op.kind in _SENDS:
+            flag = (op.kind, op.stage) not in seen
+            seen.add((op.kind, op.stage))
+        elif op.kind in _RECVS:
+            flag = first_sent.get((_RECVS[op.kind], op.stage)) == (op.micro_batch, op.seq_chunk)
+        else:
+            flag = False
+        out.append(replace(op, header=True) if flag else op)
+    return out
+
+
+def first_sends(schedule: Schedule, orders: tuple[tuple[Action, ...], ...]) -> dict[tuple[OpKind, int], tuple[int, int]]:
+    """For each (send kind, consuming stage): the unit its owner sends first, given the
+    action order each rank runs (``orders``, one tuple per rank).
+
+    Sends follow their producing pass directly (``add_communication``), so the first send
+    of activations into stage s is the first F of stage s-1 on its rank, and the first
+    gradient into stage s comes from the first backward (B or BW) of stage s+1.
+    """
+    owner = schedule.stage_to_rank
+    first: dict[tuple[OpKind, int], tuple[int, int]] = {}
+    for rank, actions in enumerate(orders):
+        for a in actions:
+            s = a.stage
+            if a.kind is Kind.F and s + 1 < schedule.num_model_stages and owner[s + 1] != rank:
+                first.setdefault((OpKind.SEND_ACT, s + 1), (a.micro_batch, a.seq_chunk))
+            if a.kind.is_backward and s > 0 and owner[s - 1] != rank:
+                first.setdefault((OpKind.SEND_GRAD, s - 1), (a.micro_batch, a.seq_chunk))
+    return first
+
+
 def add_step_tail(ops: list[Op]) -> list[Op]:
     return ops + [Op(OpKind.REDUCE_TIED_GRADS), Op(OpKind.REDUCE_GRADS), Op(OpKind.OPTIMIZER_STEP)]
 
 
 def lower(schedule: Schedule, rank: int, *, train: bool = True) -> list[Op]:
     """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation)."""
-    actions = schedule.ranks[rank]
-    if not train:
-        # Forward-only: run in wavefront order (micro-batch + stage), which any placement
-        # can follow without waiting on a later micro-batch.
-        forwards = [a for a in actions if a.kind is Kind.F]
-        actions = tuple(sorted(forwards, key=lambda a: (a.micro_batch + a.stage, a.stage, a.seq_chunk)))
+    orders = schedule.ranks if train else tuple(_wavefront(actions) for actions in schedule.ranks)
     owner = schedule.stage_to_rank
     remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
-    ops = add_communication(schedule, rank, merge_backward(actions, sends_grad=remote))
-    ops = assign_buffers(add_data_loading(schedule, ops))
+    ops = add_communication(schedule, rank, merge_backward(orders[rank], sends_grad=remote))
+    ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
     return add_step_tail(ops) if train else ops
+
+
+def _wavefront(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    # Forward-only runs in wavefront order (micro-batch + stage), which any placement can
+    # follow without waiting on a later micro-batch.
+    forwards = [a for a in actions if a.kind is Kind.F]
+    return tuple(sorted(forwards, key=lambda a: (a.micro_batch + a.stage, a.stage, a.seq_chunk)))
 
 
 def format_ops(ops: list[Op]) -> str:

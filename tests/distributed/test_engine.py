@@ -49,8 +49,15 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
         {"name": "zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
         {"name": "bf16-1f1b", "schedule": "1f1b", "p": 2, "m": 4, "tied": True, "layers": 6, "bf16": True},
         {"name": "bf16-v-half", "schedule": "v-half", "p": 2, "m": 4, "tied": True, "layers": 6, "bf16": True},
+        # Shapes: a new row count each step; a new one each micro-batch with dynamic_shape.
+        {"name": "shape-per-step-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "rows": [4] * 4 + [6] * 4},
+        {"name": "shape-dynamic-v-half", "schedule": "v-half", "p": 2, "m": 4, "rows": [4, 6, 5], "dynamic": True},
+        {"name": "p2p-transfers", "schedule": None, "p": 2, "m": 1, "p2p": True},
         {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
          "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}},
+        # Last in the launch (a gloo timeout closes the pair for later cases): a new shape within
+        # a step without dynamic_shape. The sender says what to change; the receiver times out.
+        {"name": "err-shape", "schedule": "1f1b", "p": 2, "m": 4, "rows": [4, 6], "pipeline": {"p2p_timeout_s": 3}},
     ]
 
 
@@ -104,7 +111,7 @@ def test_parity_p4(results_p4: dict, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["tied-1f1b", "tied-v-half", "ckpt-interval-zb-h1", "ckpt-interval-v-zb",
-                                  "layerspec-v-min", "zero1-v-half"])
+                                  "layerspec-v-min", "zero1-v-half", "shape-per-step-v-zb", "shape-dynamic-v-half"])
 def test_features_p2(results_p2: dict, case: str) -> None:
     _assert_parity(case, results_p2[case])
 
@@ -112,6 +119,20 @@ def test_features_p2(results_p2: dict, case: str) -> None:
 @pytest.mark.parametrize("case", ["pp2xdp2-zero1-v-half", "pp2xdp2-zero0-zb-h2", "clip-zero0-1f1b", "clip-zero1-1f1b", "tied-v-zb-p4"])
 def test_features_p4(results_p4: dict, case: str) -> None:
     _assert_parity(case, results_p4[case])
+
+
+def test_transfers_carry_shapes_once_per_step_and_post_receives_early(results_p2: dict) -> None:
+    sender, receiver = results_p2["p2p-transfers"]
+    assert "error" not in receiver, receiver.get("traceback")
+    assert "error" not in sender, sender.get("traceback")
+    got = {mb: (values, dtypes) for mb, values, dtypes in receiver["out_of_order"][:-1]}
+    for mb, (values, dtypes) in got.items():
+        assert values == [[[float(mb)] * 3] * 4, list(range(mb, mb + 4))] and dtypes == ["torch.float32", "torch.int64"]
+    assert receiver["out_of_order"][-1] == ["posted_at_start", 2]  # the lookahead
+    assert [len(v[0]) for _, v, _ in receiver["next_step"][:-1]] == [6, 6]
+    assert [len(v[0]) for _, v, _ in receiver["dynamic"][:-1]] == [4, 7]
+    for needle in ("changed shape within a step", "micro-batch 1", "float32[5, 3]", "dynamic_shape=True"):
+        assert needle in sender["refused"], sender["refused"]
 
 
 def test_eval_batch_matches_reference(results_p2: dict) -> None:
@@ -187,8 +208,17 @@ def test_bad_input_is_a_clear_error(errors_p2: dict, case: str, needles: list[st
             assert needle in res["error"], f"{case}: {needle!r} not in {res['error']!r}"
 
 
+def test_shape_change_within_a_step_is_a_clear_error(results_p2: dict) -> None:
+    sender, receiver = results_p2["err-shape"]
+    assert "dynamic_shape=True" in sender.get("error", ""), sender
+    assert "P2PTimeoutError" in receiver.get("error", ""), receiver
+
+
 def test_unanswered_receive_fails_with_names(errors_p2: dict) -> None:
     waiting = errors_p2["err-timeout"][0]
     assert "error" in waiting, "rank 0 should have failed"
-    for needle in ("P2PTimeoutError", "pipeline rank 0", "stage", "micro-batch 0"):
+    # Rank 1 returns at once: its exit closes the connection (P2PError) unless the wait
+    # ran out first (P2PTimeoutError); either way the error names who waited for what.
+    assert waiting["error"].startswith(("P2PTimeoutError", "P2PError")), waiting["error"]
+    for needle in ("pipeline rank 0", "stage 0", "micro-batch 0", "from pipeline rank 1"):
         assert needle in waiting["error"], waiting["error"]

@@ -92,12 +92,13 @@ def _layers(n: int, seed: int) -> list[nn.Module]:
 def _data(case: dict[str, Any], steps: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234 + case.get("data_seed", 0))
     out = []
-    for _ in range(steps * m):
+    for i in range(steps * m):
+        rows = case["rows"][i % len(case["rows"])] if "rows" in case else ROWS
         if case.get("tied"):
             ids = torch.randint(0, 11, (ROWS, 3), generator=g)
             out.append((ids, torch.randint(0, 11, (ROWS, 3), generator=g)))
         else:
-            out.append((torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)))
+            out.append((torch.randn(rows, DIM, generator=g), torch.randn(rows, DIM, generator=g)))
     return out
 
 
@@ -136,7 +137,7 @@ def _build(case: dict[str, Any], p: int) -> tuple[PipelineModule, nn.Module, Any
         ref = nn.Sequential(*[_SeededBlock(100 + i) for i in range(n)])
         return PipelineModule(specs, num_stages=p, loss_fn=_mse, partition_method="uniform",
                               activation_checkpoint_interval=case.get("ckpt", 0)), ref, _mse
-    return PipelineModule(blocks, num_stages=p, loss_fn=_mse, partition_method="uniform",
+    return PipelineModule(blocks, num_stages=p, loss_fn=_mse, partition_method="uniform", dynamic_shape=case.get("dynamic", False),
                           activation_checkpoint_interval=case.get("ckpt", 0)), ref, _mse
 
 
@@ -243,6 +244,10 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if "hf" in case:
         return run_hf_case(case)
+    if case.get("p2p"):
+        from tests.distributed.p2p_checks import run_p2p_case
+
+        return run_p2p_case(case)
     p = case["p"]
     m = case["m"]
     steps = case.get("steps", 2)

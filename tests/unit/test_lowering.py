@@ -63,3 +63,43 @@ def test_step_tail_and_forward_only_lowering() -> None:
     ops = lower(sched, 1, train=False)
     assert all(op.kind in (OpKind.LOAD, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT) for op in ops)
     assert str(Op(OpKind.FORWARD, 1, 3, buffer=0)) == "forward s1 mb3 buf0"
+
+
+def _links(ops: list[Op], kinds: tuple[OpKind, ...]) -> dict[tuple[OpKind, int], list[int]]:
+    out: dict[tuple[OpKind, int], list[int]] = {}
+    for op in ops:
+        if op.kind in kinds and op.header:
+            out.setdefault((op.kind, op.stage), []).append(op.micro_batch)
+    return out
+
+
+def test_one_shape_header_per_link_and_step_on_both_sides() -> None:
+    for name, p, m in [("1f1b", 4, 8), ("v-zb", 4, 8), ("v-min", 4, 8), ("interleaved", 2, 4), ("zb-h2", 3, 6)]:
+        sched = generate(name, p, m)
+        per_rank = [lower(sched, r) for r in range(p)]
+        sent = {k: v for ops in per_rank for k, v in _links(ops, (OpKind.SEND_ACT, OpKind.SEND_GRAD)).items()}
+        got = {k: v for ops in per_rank for k, v in _links(ops, (OpKind.RECV_ACT, OpKind.RECV_GRAD)).items()}
+        assert all(len(v) == 1 for v in sent.values()), (name, sent)
+        # Each receive flagged is the unit its sender flagged: same stage, same micro-batch.
+        pairs = {(OpKind.SEND_ACT if k is OpKind.RECV_ACT else OpKind.SEND_GRAD, s): v for (k, s), v in got.items()}
+        assert pairs == sent, name
+        links = {(op.kind, op.stage) for ops in per_rank for op in ops if op.kind in (OpKind.SEND_ACT, OpKind.SEND_GRAD)}
+        assert set(sent) == links, name  # every link announces its shapes once
+
+
+def test_header_follows_the_senders_order_not_the_receivers() -> None:
+    # Rank 0 sends micro-batch 1 first; rank 1 receives micro-batch 0 first. The header
+    # rides on micro-batch 1 on both sides, so rank 1 waits for it, which was sent first.
+    sched = Schedule.from_text(["0F1 0F0 0BW0 0BW1", "1F0 1F1 1BW0 1BW1"], name="x", micro_batches=2, stage_to_rank=[0, 1])
+    recv = [op for op in lower(sched, 1) if op.kind is OpKind.RECV_ACT]
+    send = [op for op in lower(sched, 0) if op.kind is OpKind.SEND_ACT]
+    assert [(op.micro_batch, op.header) for op in send] == [(1, True), (0, False)]
+    assert [(op.micro_batch, op.header) for op in recv] == [(0, False), (1, True)]
+    assert str(recv[1]).endswith("hdr")
+
+
+def test_forward_only_headers_use_the_wavefront_order() -> None:
+    sched = generate("v-half", 2, 4)
+    ops = [op for r in range(2) for op in lower(sched, r, train=False)]
+    flagged = [(op.kind, op.stage, op.micro_batch) for op in ops if op.header]
+    assert flagged and all(mb == 0 for _, _, mb in flagged)
