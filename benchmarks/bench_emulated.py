@@ -41,7 +41,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
-from ds_vshape.runtime.comm import P2P  # noqa: E402
+from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv  # noqa: E402
 from ds_vshape.runtime.memory import ActivationMeter  # noqa: E402
 from ds_vshape.schedules import schedule_names  # noqa: E402
 
@@ -332,34 +332,18 @@ def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: in
 
 
 def hop_latency(rank: int, numel: int, iters: int = 200) -> dict[str, float]:
-    """One-way latency of a small message between pipeline ranks 0 and 1 (ping-pong / 2)."""
+    """One-way latency of a small message between pipeline ranks 0 and 1 (ping-pong / 2).
+
+    ``ds_vshape_p2p`` is the engine's own path within a step: shapes sent with the first
+    transfer only, receives posted ahead (``P2P.start_step``), isend, wait.
+    """
     res: dict[str, float] = {}
     buf = torch.zeros(numel)
     for name in ("gloo_send_recv", "ds_vshape_p2p"):
         dist.barrier()
         times = []
         if rank in (0, 1):
-            p2p = P2P(global_rank_of=list(range(dist.get_world_size())), num_stages=2, micro_batches=1, seq_chunks=1,
-                      device=torch.device("cpu"), timeout_s=60, my_rank=rank)
-            peer = 1 - rank
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                if name == "gloo_send_recv":
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    else:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
-                else:  # the engine's own path: header + payload, isend, irecv + wait
-                    if rank == 0:
-                        p2p.send_activations((buf,), stage=0, micro_batch=0, seq_chunk=0, peer=peer)
-                        p2p.recv_grads(stage=0, micro_batch=0, seq_chunk=0, peer=peer)
-                    else:
-                        p2p.recv_activations(stage=0, micro_batch=0, seq_chunk=0, peer=peer)
-                        p2p.send_grads((buf,), stage=0, micro_batch=0, seq_chunk=0, peer=peer)
-                    p2p.drain()
-                times.append(time.perf_counter() - t0)
+            times = _ping_pong(name, rank, buf, iters)
         if rank == 0:
             res[name + "_s"] = statistics.median(times[iters // 10 :]) / 2
     dist.barrier()
@@ -370,6 +354,33 @@ def hop_latency(rank: int, numel: int, iters: int = 200) -> dict[str, float]:
     got = [res]
     dist.broadcast_object_list(got, src=0)
     return got[0]
+
+
+def _ping_pong(name: str, rank: int, buf: torch.Tensor, iters: int) -> list[float]:
+    peer = 1 - rank
+    times = []
+    if name == "gloo_send_recv":
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            dist.send(buf, peer) if rank == 0 else dist.recv(buf, peer)
+            dist.recv(buf, peer) if rank == 0 else dist.send(buf, peer)
+            times.append(time.perf_counter() - t0)
+        return times
+    p2p = P2P(global_rank_of=list(range(dist.get_world_size())), num_stages=2, micro_batches=iters, seq_chunks=1,
+              device=torch.device("cpu"), timeout_s=60, my_rank=rank)
+    # Rank 1 receives activations into stage 1; rank 0 receives gradients into stage 0.
+    p2p.start_step(tuple(Recv(GRAD if rank == 0 else ACT, rank, i, 0, peer, i == 0) for i in range(iters)))
+    for i in range(iters):
+        t0 = time.perf_counter()
+        if rank == 0:
+            p2p.send_activations((buf,), stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            p2p.recv_grads(stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+        else:
+            p2p.recv_activations(stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            p2p.send_grads((buf,), stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+        times.append(time.perf_counter() - t0)
+    p2p.drain()
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -391,7 +391,7 @@ def emulated_markdown(rows: list[dict[str, Any]], machine: dict[str, Any], laten
     ]
     for p, lat in sorted(latency.items()):
         out.append(f"p={p}: one-hop latency gloo send/recv {lat['gloo_send_recv_s'] * 1e3:.3f} ms, ds_vshape P2P "
-                   f"(header + payload) {lat['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {lat['barrier_s'] * 1e3:.3f} ms.")
+                   f"(engine path: receive posted ahead, shapes known) {lat['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {lat['barrier_s'] * 1e3:.3f} ms.")
     out.append("")
     header = ("| system | schedule | v | step (s) | ideal (s) | eff. | sim (s) | gap | sim as run (s) | sim cal. (s) | gap cal. | speed-up vs DS 1F1B "
               "| peak act. busiest (KiB) | mem vs DS 1F1B | sim mem vs 1F1B | F / B / W / BW (ms) |")
