@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every benchmark result (issue 5) in benchmarks/results/: about 10 minutes on
+# Regenerate every benchmark result (issue 5) in benchmarks/results/: about 11 minutes (668 s at d55e6c9) on
 # 2 idle CPU cores.  `make bench` runs this with .venv/bin first on PATH.
 #
 #   bash benchmarks/run.sh
