@@ -173,37 +173,23 @@ def mark_shape_headers(ops: list[Op], first_sent: dict[tuple[OpKind, int], tuple
     schedule (``first_sends``). Because the sender sends that unit before any other of the
     link, a receiver that needs another unit first can wait for the header without deadlock.
     """
-    seen: set[tuple[OpKind, int]] = set()
     out: list[Op] = []
     for op in ops:
-        if op.kind in _SENDS:
-            flag = (op.kind, op.stage) not in seen
-            seen.add((op.kind, op.stage))
-        elif op.kind in _RECVS:
-            flag = first_sent.get((_RECVS[op.kind], op.stage)) == (op.micro_batch, op.seq_chunk)
-        else:
-            flag = False
+        send = _RECVS.get(op.kind, op.kind)  # a receive is flagged like the send that feeds it
+        flag = send in _SENDS and first_sent.get((send, op.stage)) == (op.micro_batch, op.seq_chunk)
         out.append(replace(op, header=True) if flag else op)
     return out
 
 
 def first_sends(schedule: Schedule, orders: tuple[tuple[Action, ...], ...]) -> dict[tuple[OpKind, int], tuple[int, int]]:
     """For each (send kind, consuming stage): the unit its owner sends first, given the
-    action order each rank runs (``orders``, one tuple per rank).
-
-    Sends follow their producing pass directly (``add_communication``), so the first send
-    of activations into stage s is the first F of stage s-1 on its rank, and the first
-    gradient into stage s comes from the first backward (B or BW) of stage s+1.
-    """
-    owner = schedule.stage_to_rank
+    action order each rank runs (``orders``, one tuple per rank). Fusing B with W moves no
+    send, so the unfused orders give the same answer as the lowered ones."""
     first: dict[tuple[OpKind, int], tuple[int, int]] = {}
     for rank, actions in enumerate(orders):
-        for a in actions:
-            s = a.stage
-            if a.kind is Kind.F and s + 1 < schedule.num_model_stages and owner[s + 1] != rank:
-                first.setdefault((OpKind.SEND_ACT, s + 1), (a.micro_batch, a.seq_chunk))
-            if a.kind.is_backward and s > 0 and owner[s - 1] != rank:
-                first.setdefault((OpKind.SEND_GRAD, s - 1), (a.micro_batch, a.seq_chunk))
+        for op in add_communication(schedule, rank, actions):
+            if op.kind in _SENDS:
+                first.setdefault((op.kind, op.stage), (op.micro_batch, op.seq_chunk))
     return first
 
 
