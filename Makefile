@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv test test-unit test-distributed train bench clean-venv
+.PHONY: venv test test-unit test-distributed test-gpu train bench clean-venv
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ test-unit: venv
 
 test-distributed: venv
 	$(TEST_ENV) $(BIN)/pytest -q -m distributed tests
+
+# Real NCCL on CUDA devices (needs a CUDA torch, see TORCH_SPEC; skips without GPUs).
+# No TEST_ENV: DeepSpeed must detect the CUDA accelerator itself.
+test-gpu: venv
+	$(BIN)/pytest -q -m gpu tests/gpu
 
 # Default end-to-end training recipe.
 train: venv

@@ -335,7 +335,7 @@ def hop_latency(rank: int, numel: int, iters: int = 200) -> dict[str, float]:
     """One-way latency of a small message between pipeline ranks 0 and 1 (ping-pong / 2).
 
     ``ds_vshape_p2p`` is the engine's own path within a step: shapes sent with the first
-    transfer only, receives posted ahead (``P2P.start_step``), isend, wait.
+    transfer only, each receive posted before the send it follows in the pair order, isend, wait.
     """
     res: dict[str, float] = {}
     buf = torch.zeros(numel)
@@ -366,18 +366,23 @@ def _ping_pong(name: str, rank: int, buf: torch.Tensor, iters: int) -> list[floa
             dist.recv(buf, peer) if rank == 0 else dist.send(buf, peer)
             times.append(time.perf_counter() - t0)
         return times
-    p2p = P2P(global_rank_of=list(range(dist.get_world_size())), num_stages=2, micro_batches=iters, seq_chunks=1,
-              device=torch.device("cpu"), timeout_s=60, my_rank=rank)
+    p2p = P2P(global_rank_of=list(range(dist.get_world_size())), device=torch.device("cpu"), timeout_s=60, my_rank=rank)
     # Rank 1 receives activations into stage 1; rank 0 receives gradients into stage 0.
-    p2p.start_step(tuple(Recv(GRAD if rank == 0 else ACT, rank, i, 0, peer, i == 0) for i in range(iters)))
+    p2p.start_step()
+    if rank == 1:
+        p2p.post(Recv(ACT, 1, 0, 0, peer, True))
     for i in range(iters):
         t0 = time.perf_counter()
         if rank == 0:
-            p2p.send_activations((buf,), stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
-            p2p.recv_grads(stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            p2p.send(ACT, (buf,), stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            grad = Recv(GRAD, 0, i, 0, peer, i == 0)
+            p2p.post(grad)
+            p2p.recv(grad)
         else:
-            p2p.recv_activations(stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
-            p2p.send_grads((buf,), stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            p2p.recv(Recv(ACT, 1, i, 0, peer, i == 0))
+            p2p.send(GRAD, (buf,), stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
+            if i + 1 < iters:  # the pair order: the next activation comes after this gradient
+                p2p.post(Recv(ACT, 1, i + 1, 0, peer, False))
         times.append(time.perf_counter() - t0)
     p2p.drain()
     return times

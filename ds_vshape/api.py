@@ -94,6 +94,14 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     if zero not in _RUNTIME_ZERO_STAGES:
         allowed = ", ".join(str(z) for z in _RUNTIME_ZERO_STAGES)
         raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: the engine runs ZeRO stages {allowed} with every schedule; set zero_optimization.stage to 0 or 1")
+    if (config.get("torch_autocast") or {}).get("enabled"):
+        # DeepSpeed enters autocast in DeepSpeedEngine.forward, which our stage forwards bypass:
+        # the key would be silently ignored, so refuse it.
+        raise ConfigError(
+            f"torch_autocast.enabled=true is not supported with schedule {info.name!r}: the engine runs stage forwards "
+            "outside DeepSpeed's autocast context; use \"fp16\": {\"enabled\": true} (dynamic loss scaling) or "
+            "\"bf16\": {\"enabled\": true} instead, or remove pipeline.schedule to run stock DeepSpeed"
+        )
     try:
         schedule = vs.make_schedule(p, micro_batches, check=False)
     except ValueError as err:

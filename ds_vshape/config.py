@@ -37,6 +37,12 @@ class PipelineConfig(BaseModel):
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto).")
     partition_method: str = Field("parameters", description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'.")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive may take before the step fails with a named error.")
+    measure_memory: bool = Field(
+        False,
+        description="Measure activation memory (saved-tensor hooks, bytes in flight) on every step, into "
+        "engine.peak_activation_bytes. Off: only on the steps that log it (every steps_per_print), so other steps "
+        "pay nothing for the hooks.",
+    )
     w_memory: float = Field(
         0.5, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "

@@ -304,6 +304,8 @@ def setup(args: argparse.Namespace) -> Job:
     params = [p for p in module.parameters() if p.requires_grad]
     # The drop-in call: exactly what a deepspeed.initialize job passes (config via --deepspeed_config).
     engine, _, _, _ = ds_vshape.initialize(args=args, model=module, model_parameters=params)
+    if hasattr(engine, "measure_memory"):
+        engine.measure_memory = True  # the recipe reports every step's peak (costs some host time)
     name, schedule = schedule_of(engine)
     # Predict with the same share of activation held until W that the schedule was planned for.
     kept = getattr(getattr(engine, "vs_config", None), "w_memory", 0.0)

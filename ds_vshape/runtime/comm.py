@@ -1,19 +1,32 @@
-"""Point-to-point transfers between pipeline ranks: non-blocking sends, receives posted early.
+"""Point-to-point transfers between pipeline ranks, issued in the order lowering fixed.
 
-Sends never block the sender (isend, reaped at the end of the step), and a receive waits
-only right before the pass that needs the data. With that, any schedule the validator
-accepts runs to completion: the wait graph is the schedule's own dependency graph.
+NCCL's rules are the contract, so the same code is correct on gloo and on GPUs:
 
-One message per tensor. The shapes travel in a small header only with the first transfer
-of each (direction, stage) in a step (lowering marks which one, ``Op.header``), or with
-every transfer when the module has ``dynamic_shape``. Knowing the shapes, the receiver
-posts its next receives ahead of time (``lookahead``), so the data lands while the rank
-computes instead of costing a round trip when the pass needs it. Each message has its own
-tag, so receives match by meaning (direction, stage, micro-batch, chunk), not by order.
+* **No tags.** Every message goes with tag 0; between two ranks the i-th send meets the
+  i-th receive. Lowering (``schedules.p2p_order``) gives both ranks of a pair one order of
+  transfers, so position is meaning.
+* **Issue order is completion order per pair.** This class issues exactly what the lowered
+  ops say, when they say it: ``post`` (a non-blocking receive), ``send`` (non-blocking),
+  ``recv`` (wait for a posted receive, right before the pass that needs it). A post marked
+  ``with_next`` goes out in one ``batch_isend_irecv`` group with the send after it.
+* **Shapes.** The shapes travel in a small header only with the first transfer of each
+  (direction, stage) in a step (lowering marks which), or with every transfer when the
+  module has ``dynamic_shape``. A receive that brings a header can post its payload only
+  once the header is read, and nothing else may come between them on that pair: before
+  the next operation with that peer, the header is read and the payload posted.
+
+Sends are released as soon as they are known complete, so in-flight buffers do not pile
+up over a step; ``inflight`` lists what is still held. Known complete: the backend says so
+(NCCL does; gloo only once waited), or a receive from the same peer completed that was
+posted after the send was issued, because the pair order makes the peer post the send's
+receive before it sends anything later (the wait then returns at once). A step that
+fails leaves posted operations that neither NCCL nor gloo can cancel: the object then
+refuses further steps with an error that says to rebuild the engine.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple
@@ -35,6 +48,7 @@ _WHAT = {ACT: "activations", GRAD: "gradients"}
 
 Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 Link = tuple[int, int]  # (direction, consuming stage)
+Works = list[tuple[dist.Work, torch.Tensor]]
 
 
 class P2PError(RuntimeError):
@@ -45,8 +59,16 @@ class P2PTimeoutError(P2PError):
     """A transfer did not complete in time; the message names who waited for what."""
 
 
+class _Op(NamedTuple):
+    """One send or receive to issue: tensor and the peer's process rank."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+
+
 class Recv(NamedTuple):
-    """One receive of a step, as the lowered schedule lists it."""
+    """One receive of a step, as the lowered schedule names it."""
 
     direction: int
     stage: int
@@ -59,6 +81,10 @@ class Recv(NamedTuple):
     def link(self) -> Link:
         return (self.direction, self.stage)
 
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.direction, self.stage, self.micro_batch, self.seq_chunk)
+
     def label(self) -> str:
         return (f"receive of {_WHAT[self.direction]} for stage {self.stage} micro-batch {self.micro_batch} "
                 f"chunk {self.seq_chunk} from pipeline rank {self.peer}")
@@ -66,157 +92,205 @@ class Recv(NamedTuple):
 
 @dataclass
 class _Posted:
-    """A receive in flight: its header (if it brings one) and its payload (once shapes are known)."""
+    """A receive in flight: its header (until read), then its payload."""
 
+    recv: Recv
     header: tuple[dist.Work, torch.Tensor] | None = None
-    payload: list[tuple[dist.Work, torch.Tensor]] | None = None
+    payload: Works | None = None
+    sends_before: int = 0  # sends to the same peer issued before this receive was posted
 
 
 @dataclass
 class P2P:
-    """Transfers for one pipeline. ``global_rank_of`` maps a pipeline rank to a process rank."""
+    """Transfers for one pipeline rank. ``global_rank_of`` maps a pipeline rank to a process rank."""
 
     global_rank_of: list[int]
-    num_stages: int
-    micro_batches: int
-    seq_chunks: int
     device: torch.device
     timeout_s: float
     my_rank: int
     dynamic_shape: bool = False
-    lookahead: int = 2
-    _pending: list = field(default_factory=list)
-    _plan: tuple[Recv, ...] = ()
-    _next: int = 0
-    _posted: dict[Recv, _Posted] = field(default_factory=dict)
+    _sends: deque = field(default_factory=deque)  # (work, tensor, label, peer, count), oldest first
+    _sent_count: dict[int, int] = field(default_factory=dict)  # per peer, over the engine's life
+    _posted: dict[tuple, _Posted] = field(default_factory=dict)
+    _unread: dict[int, _Posted] = field(default_factory=dict)  # peer -> posted receive whose header is unread
+    _held: list[tuple[_Op, _Posted]] = field(default_factory=list)  # a post waiting for its group's send
     _shapes: dict[Link, Meta] = field(default_factory=dict)  # received this step
     _sent: dict[Link, Meta] = field(default_factory=dict)  # announced this step
-    _header_of: dict[Link, Recv] = field(default_factory=dict)
-
-    def _tag(self, direction: int, stage: int, micro_batch: int, seq_chunk: int, part: int) -> int:
-        unit = (stage * self.micro_batches + micro_batch) * self.seq_chunks + seq_chunk
-        return ((unit * 2 + direction) * 16) + part
+    _broken: str | None = None
+    peak_inflight_bytes: int = 0
 
     # ---- step framing -----------------------------------------------------------------------
-    def start_step(self, plan: tuple[Recv, ...] = ()) -> None:
-        """Begin a step whose receives come in ``plan`` order; posts the first few at once."""
-        if self._posted:
-            raise RuntimeError(f"pipeline rank {self.my_rank}: receives of the last step were never consumed: {list(self._posted)[:4]}")
-        self._plan, self._next = plan, 0
+    def check_usable(self) -> None:
+        """Raise when an earlier step left transfers that cannot be undone."""
+        if self._broken is not None:
+            raise P2PError(self._broken)
+
+    def start_step(self) -> None:
+        """Begin a step (refused after a failed one)."""
+        self.check_usable()
         self._shapes.clear()
         self._sent.clear()
-        self._header_of = {r.link: r for r in plan if r.header}
-        self._refill()
+        self.peak_inflight_bytes = self.inflight_bytes
 
     def drain(self) -> None:
-        """Wait for every send of the step (the buffers must live until then)."""
-        for work, _keep, label in self._pending:
+        """Wait for every send of the step (their buffers must live until then)."""
+        while self._sends:
+            work, _tensor, label, *_ = self._sends.popleft()
             self._wait(work, label)
-        self._pending.clear()
+        if self._posted or self._held:
+            pending = [p.recv.label() for p in self._posted.values()][:3]
+            raise RuntimeError(f"pipeline rank {self.my_rank}: the step ended with receives posted but never used: {pending}")
 
-    # ---- public ---------------------------------------------------------------------------
-    def send_activations(self, tensors: tuple[torch.Tensor, ...], *, stage: int, micro_batch: int, seq_chunk: int,
-                         peer: int, header: bool = True) -> None:
-        self._send(ACT, tensors, stage, micro_batch, seq_chunk, peer, header)
+    def abandon(self, err: BaseException) -> None:
+        """After a failed step: keep what is in flight referenced and refuse later steps if any is."""
+        open_ops = len(self._sends) + len(self._posted) + len(self._held)
+        if open_ops:
+            self._broken = (
+                f"pipeline rank {self.my_rank}: an earlier train/eval step failed ({type(err).__name__}: {err}) and left "
+                f"{open_ops} transfers posted that cannot be cancelled; later transfers would pair with them. "
+                "Rebuild the engine (ds_vshape.initialize) and resume from a checkpoint"
+            )
 
-    def send_grads(self, tensors: tuple[torch.Tensor, ...], *, stage: int, micro_batch: int, seq_chunk: int,
-                   peer: int, header: bool = True) -> None:
-        self._send(GRAD, tensors, stage, micro_batch, seq_chunk, peer, header)
-
-    def recv_activations(self, *, stage: int, micro_batch: int, seq_chunk: int, peer: int, header: bool = True) -> tuple[torch.Tensor, ...]:
-        return self.recv(Recv(ACT, stage, micro_batch, seq_chunk, peer, header))
-
-    def recv_grads(self, *, stage: int, micro_batch: int, seq_chunk: int, peer: int, header: bool = True) -> tuple[torch.Tensor, ...]:
-        return self.recv(Recv(GRAD, stage, micro_batch, seq_chunk, peer, header))
-
-    def recv(self, r: Recv) -> tuple[torch.Tensor, ...]:
-        """The tensors of one receive; waits only for what has not arrived yet."""
-        posted = self._posted.get(r) or self._post(r)
-        meta = self._shapes_for(r, posted)
-        if posted.payload is None:
-            posted.payload = self._post_payload(r, meta)
-        out = tuple(self._waited(work, buf, r) for work, buf in posted.payload)
-        del self._posted[r]
-        self._refill()
+    @property
+    def inflight(self) -> list[torch.Tensor]:
+        """Buffers still held by transfers: sends not yet complete, receives posted and not used."""
+        self._reap()
+        out = [send[1] for send in self._sends]
+        for p in self._posted.values():
+            out += [buf for _w, buf in (p.payload or [])] + ([p.header[1]] if p.header else [])
         return out
 
-    # ---- receiving --------------------------------------------------------------------------
-    def _carries_header(self, r: Recv) -> bool:
-        return r.header or self.dynamic_shape
+    @property
+    def inflight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.inflight)
 
-    def _post(self, r: Recv) -> _Posted:
-        posted = _Posted()
-        if self._carries_header(r):
+    # ---- the three operations lowering issues --------------------------------------------------
+    def post(self, r: Recv, *, with_next: bool = False) -> None:
+        """Issue a receive now; ``with_next``: together with the next send, to the same peer."""
+        self._flush_held()
+        self._read_shapes(r.peer)
+        posted = _Posted(r, sends_before=self._sent_count.get(r.peer, 0))
+        self._posted[r.key] = posted
+        if r.header or self.dynamic_shape:
             buf = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            posted.header = (self._irecv(buf, r, 0), buf)
-        elif r.link in self._shapes:
-            posted.payload = self._post_payload(r, self._shapes[r.link])
-        self._posted[r] = posted
-        return posted
+            posted.header = (self._issue([self._op(False, buf, r.peer)], r.label())[0], buf)
+            self._unread[r.peer] = posted
+        else:
+            bufs = self._buffers(r)
+            ops = [self._op(False, buf, r.peer) for buf in bufs]
+            if with_next:
+                posted.payload = []
+                self._held += [(op, posted) for op in ops]
+            else:
+                posted.payload = list(zip(self._issue(ops, r.label()), bufs))
+        self._account()
 
-    def _post_payload(self, r: Recv, meta: Meta) -> list[tuple[dist.Work, torch.Tensor]]:
-        out = []
-        for part, (dtype, shape) in enumerate(meta, start=1):
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            out.append((self._irecv(buf, r, part), buf))
-        return out
-
-    def _irecv(self, buf: torch.Tensor, r: Recv, part: int) -> dist.Work:
-        try:
-            return dist.irecv(buf, self.global_rank_of[r.peer], tag=self._tag(*r[:4], part))
-        except RuntimeError as err:  # gloo fails a post at once when the peer has gone
-            raise P2PError(f"pipeline rank {self.my_rank}: {r.label()} failed: {err}") from err
-
-    def _shapes_for(self, r: Recv, posted: _Posted) -> Meta:
-        if posted.header is not None:
-            meta = _decode_header(self._waited(*posted.header, r))
-            posted.header = None
-            if self.dynamic_shape:
-                return meta
-            self._learn(r.link, meta)
-        if r.link not in self._shapes:
-            # This link's header rides on a unit the sender sent earlier: wait for it there.
-            first = self._header_of.get(r.link)
-            if first is None:
-                raise RuntimeError(f"pipeline rank {self.my_rank}: {r.label()} has no shape header in this step's plan")
-            self._shapes_for(first, self._posted.get(first) or self._post(first))
-        return self._shapes[r.link]
-
-    def _learn(self, link: Link, meta: Meta) -> None:
-        self._shapes[link] = meta
-        for r, posted in self._posted.items():  # pre-posted receives that were waiting for shapes
-            if r.link == link and posted.header is None and posted.payload is None:
-                posted.payload = self._post_payload(r, meta)
-
-    def _refill(self) -> None:
-        while self._next < len(self._plan) and len(self._posted) < self.lookahead:
-            r = self._plan[self._next]
-            self._next += 1
-            if r not in self._posted:
-                self._post(r)
-
-    def _waited(self, work: dist.Work, buf: torch.Tensor, r: Recv) -> torch.Tensor:
-        self._wait(work, r.label())
-        return buf
-
-    # ---- sending ----------------------------------------------------------------------------
-    def _send(self, direction: int, tensors: tuple[torch.Tensor, ...], stage: int, mb: int, chunk: int, peer: int,
-              header: bool) -> None:
-        dst = self.global_rank_of[peer]
-        label = f"send of {_WHAT[direction]} for stage {stage} micro-batch {mb} chunk {chunk} to pipeline rank {peer}"
+    def send(self, direction: int, tensors: tuple[torch.Tensor, ...], *, stage: int, micro_batch: int, seq_chunk: int,
+             peer: int, header: bool) -> None:
+        self._reap()
+        self._read_shapes(peer)
+        label = f"send of {_WHAT[direction]} for stage {stage} micro-batch {micro_batch} chunk {seq_chunk} to pipeline rank {peer}"
         payload = [t.detach().contiguous() for t in tensors]
         meta = tuple((t.dtype, tuple(t.shape)) for t in payload)
         if header or self.dynamic_shape:
             self._sent[(direction, stage)] = meta
             payload.insert(0, _encode_header(payload, self.device))
         else:
-            self._check_static(meta, direction, stage, mb)
-        for part, tensor in enumerate(payload, start=0 if header or self.dynamic_shape else 1):
-            try:
-                work = dist.isend(tensor, dst, tag=self._tag(direction, stage, mb, chunk, part))
-            except RuntimeError as err:
-                raise P2PError(f"pipeline rank {self.my_rank}: {label} failed: {err}") from err
-            self._pending.append((work, tensor, label))
+            self._check_static(meta, direction, stage, micro_batch)
+        ops = [self._op(True, t, peer) for t in payload]
+        held, self._held = self._held, []
+        if held and any(op.peer != ops[0].peer for op, _ in held):
+            raise RuntimeError(f"pipeline rank {self.my_rank}: a receive grouped with the next send is not for rank {peer}")
+        works = self._issue([op for op, _ in held] + ops, label)
+        for (op, posted), work in zip(held, works):
+            posted.payload.append((work, op.tensor))
+        count = self._sent_count.get(peer, 0)
+        self._sends.extend((w, t, label, peer, count + i) for i, (w, t) in enumerate(zip(works[len(held):], payload)))
+        self._sent_count[peer] = count + len(payload)
+        self._account()
+
+    def recv(self, r: Recv) -> tuple[torch.Tensor, ...]:
+        """The tensors of a posted receive; waits only for what has not arrived yet."""
+        self._reap()
+        posted = self._posted.get(r.key)
+        if posted is None:
+            raise RuntimeError(f"pipeline rank {self.my_rank}: {r.label()} was never posted (lowering must post every receive)")
+        if self._unread.get(r.peer) is posted:
+            self._read_shapes(r.peer)
+        out = tuple(self._waited(work, buf, r) for work, buf in posted.payload)
+        del self._posted[r.key]
+        self._release(r.peer, posted.sends_before)
+        return out
+
+    # ---- receiving --------------------------------------------------------------------------
+    def _buffers(self, r: Recv) -> list[torch.Tensor]:
+        meta = self._shapes.get(r.link)
+        if meta is None:
+            raise RuntimeError(f"pipeline rank {self.my_rank}: {r.label()} posted before the shapes of its link arrived")
+        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta]
+
+    def _read_shapes(self, peer: int) -> None:
+        """Read the header of a receive from ``peer`` and post its payload, before anything else on the pair."""
+        posted = self._unread.pop(peer, None)
+        if posted is None:
+            return
+        work, buf = posted.header
+        meta = _decode_header(self._waited(work, buf, posted.recv))
+        posted.header = None
+        if not self.dynamic_shape:
+            self._shapes[posted.recv.link] = meta
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta]
+        works = self._issue([self._op(False, b, peer) for b in bufs], posted.recv.label())
+        posted.payload = list(zip(works, bufs))
+
+    def _flush_held(self) -> None:
+        # A grouped post is always followed by its send (lowering guarantees it); anything
+        # else first issues the held receive on its own, which keeps the pair order.
+        if self._held:
+            held, self._held = self._held, []
+            works = self._issue([op for op, _ in held], "grouped receive")
+            for (op, posted), work in zip(held, works):
+                posted.payload.append((work, op.tensor))
+
+    def _waited(self, work: dist.Work, buf: torch.Tensor, r: Recv) -> torch.Tensor:
+        self._wait(work, r.label())
+        return buf
+
+    # ---- issuing ----------------------------------------------------------------------------
+    def _op(self, send: bool, tensor: torch.Tensor, peer: int) -> _Op:
+        return _Op(send, tensor, self.global_rank_of[peer])
+
+    def _issue(self, ops: list[_Op], label: str) -> list[dist.Work]:
+        # Looked up on ``dist`` at call time: a test harness may stand in for the backend.
+        try:
+            if len(ops) == 1:
+                op = ops[0]
+                return [(dist.isend if op.send else dist.irecv)(op.tensor, op.peer, tag=0)]
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, o.peer) for o in ops]))
+        except RuntimeError as err:  # gloo fails a post at once when the peer has gone
+            raise P2PError(f"pipeline rank {self.my_rank}: {label} failed: {err}") from err
+
+    def _reap(self) -> None:
+        """Release sends the backend reports complete (oldest first)."""
+        while self._sends and self._sends[0][0].is_completed():
+            work, _tensor, label, *_ = self._sends.popleft()
+            self._wait(work, label)  # surfaces an error the transfer ended with
+
+    def _release(self, peer: int, before: int) -> None:
+        """Release the sends to ``peer`` numbered below ``before``: a later receive from it completed."""
+        if not any(p == peer and n < before for *_x, p, n in self._sends):
+            return
+        keep: deque = deque()
+        for send in self._sends:
+            work, _tensor, label, p, n = send
+            if p == peer and n < before:
+                self._wait(work, label)
+            else:
+                keep.append(send)
+        self._sends = keep
+
+    def _account(self) -> None:
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
 
     def _check_static(self, meta: Meta, direction: int, stage: int, mb: int) -> None:
         announced = self._sent.get((direction, stage))

@@ -18,9 +18,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Schedule
+from ..schedules.lowering import programs
+from ..schedules.p2p_check import check_transfers
 from . import instructions as ins
-from .comm import P2P
+from .comm import ACT, GRAD, P2P, Recv
 from .memory import ActivationMeter
+from .precision import agree_on_overflow, check_overflow_group, scale_loss
 from .split_backward import WeightGradStore, enable_split_backward
 
 __all__ = ["VShapeEngine"]
@@ -49,12 +52,20 @@ class VShapeEngine(PipelineEngine):
         if self.schedule.uses_split_backward:
             enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store)
         self._meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
-        self.peak_activation_bytes = 0
+        # Saved-tensor hooks and transfer accounting cost host time: on only when asked (the
+        # config, or this attribute) and on the steps that log memory.
+        self.measure_memory: bool = vs_config.measure_memory
+        self._measuring = False
+        self.peak_activation_bytes: int | None = None  # None until a step measured it
+        self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
+        self.peak_inflight_bytes = 0
         self._p2p = P2P(
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
-            num_stages=self.num_model_stages, micro_batches=max(self.micro_batches, 1), seq_chunks=self.schedule.seq_chunks,
             device=self.device, timeout_s=vs_config.p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
+        # Every rank checks the whole pipeline's transfers under NCCL's rules before the first
+        # step: a wrong order fails here with names instead of hanging on the GPUs.
+        check_transfers(programs(self.schedule))
         self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
         self._reset_step_state()
 
@@ -79,6 +90,14 @@ class VShapeEngine(PipelineEngine):
         return ins.IRSchedule(_forward_only(self.schedule, micro_batches), self.stage_id, train=False)
 
     # ---- step framing -----------------------------------------------------------------------
+    def train_batch(self, *args: Any, **kwargs: Any) -> Any:
+        self._p2p.check_usable()  # before DeepSpeed starts its timers and reads data
+        return super().train_batch(*args, **kwargs)
+
+    def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
+        self._p2p.check_usable()
+        return super().eval_batch(*args, **kwargs)
+
     def _reset_step_state(self) -> None:
         self._data: dict[int, Any] = {}
         self._labels: dict[int, Any] = {}
@@ -88,17 +107,27 @@ class VShapeEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._reset_step_state()
+        logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
+        self._measuring = self.measure_memory or logs
         self._meter.reset_peak()
         self.tput_timer.start()
-        self._p2p.start_step(pipe_schedule.recv_plan)
+        self._p2p.start_step()
         try:
             super()._exec_schedule(pipe_schedule)
             self._p2p.drain()
+        except BaseException as err:
+            # What was posted cannot be cancelled; the next step must not pair with it.
+            self._p2p.abandon(err)
+            self._store.clear()
+            raise
         finally:
-            self.peak_activation_bytes = self._meter.peak_bytes
-        if self.steps_per_print() and (self.global_steps + 1) % self.steps_per_print() == 0:
-            log.info("ds_vshape: pipeline rank %d (%s) peak activation memory %.2f MiB",
-                     self.stage_id, self.schedule.name, self.peak_activation_bytes / 2**20)
+            self.peak_inflight_bytes = self._p2p.peak_inflight_bytes
+            if self._measuring:
+                self.peak_activation_bytes = self._meter.peak_bytes
+                self.peak_memory_bytes = self._meter.peak_total_bytes
+        if logs:
+            log.info("ds_vshape: pipeline rank %d (%s) peak activation memory %.2f MiB, with transfer buffers %.2f MiB",
+                     self.stage_id, self.schedule.name, self.peak_activation_bytes / 2**20, self.peak_memory_bytes / 2**20)
         leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending()
         if leftovers:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone for units {leftovers[:4]}")
@@ -116,7 +145,7 @@ class VShapeEngine(PipelineEngine):
         raw = self._data.pop(micro_batch) if stage == 0 else self._act_in.pop(unit)
         inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
         split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
-        with self._meter.recording(), split:
+        with self._meter.recording() if self._measuring else nullcontext(), split:
             outputs = self.module.forward_stage(stage, inputs)
         if stage == self.num_model_stages - 1:
             outputs = self._record_loss(outputs, self._labels.pop(micro_batch, None))
@@ -137,21 +166,42 @@ class VShapeEngine(PipelineEngine):
         self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
         return loss
 
+    def _exec_post(self, direction: int, stage: int, micro_batch: int, seq_chunk: int, peer: int, header: bool,
+                   with_next: bool) -> None:
+        self._p2p.post(Recv(direction, stage, micro_batch, seq_chunk, peer, header), with_next=with_next)
+        self._count_inflight()
+
+    def _exec_post_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool,
+                       with_next: bool) -> None:
+        self._exec_post(ACT, stage, micro_batch, seq_chunk, peer, header, with_next)
+
+    def _exec_post_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool,
+                        with_next: bool) -> None:
+        self._exec_post(GRAD, stage, micro_batch, seq_chunk, peer, header, with_next)
+
     def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
         tensors = _tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
-        self._p2p.send_activations(tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        self._p2p.send(ACT, tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        self._count_inflight()
 
     def _exec_recv_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        got = self._p2p.recv_activations(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        got = self._p2p.recv(Recv(ACT, stage, micro_batch, seq_chunk, peer, header))
         self._act_in[(stage, micro_batch, seq_chunk)] = got[0] if len(got) == 1 else got
+        self._count_inflight()
 
     def _exec_send_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
         grads = self._grad_in.pop((stage, micro_batch, seq_chunk))
-        self._p2p.send_grads(grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        self._p2p.send(GRAD, grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        self._count_inflight()
 
     def _exec_recv_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        unit = (stage, micro_batch, seq_chunk)
-        self._grad_in[unit] = self._p2p.recv_grads(stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
+        self._grad_in[(stage, micro_batch, seq_chunk)] = self._p2p.recv(Recv(GRAD, stage, micro_batch, seq_chunk, peer, header))
+        self._count_inflight()
+
+    def _count_inflight(self) -> None:
+        # Transfer buffers are activation memory too; counted only while measuring (it walks them).
+        if self._measuring:
+            self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
 
     def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         with self._store.deferring((stage, micro_batch, seq_chunk)):
@@ -169,7 +219,7 @@ class VShapeEngine(PipelineEngine):
     def _backward(self, stage: int, micro_batch: int, seq_chunk: int, buffer_id: int) -> None:
         inputs, outputs = self._saved.pop(buffer_id)
         if stage == self.num_model_stages - 1:
-            tensors, grads = [self._scale_loss_by_gas(outputs)], [None]
+            tensors, grads = [scale_loss(self, self._scale_loss_by_gas(outputs))], [None]
         else:
             got = self._grad_in.pop((stage, micro_batch, seq_chunk))
             floats = [t for t in _tensors(outputs) if t.is_floating_point()]
@@ -205,9 +255,26 @@ class VShapeEngine(PipelineEngine):
             for g, _ in grads:
                 g.detach().mul_(coef)
 
+    # ---- optimizer: fp16 steps are skipped by every rank or by none -----------------------------
+    def _take_model_step(self, lr_kwargs: Any = None) -> None:
+        """DeepSpeed's step (unscale, inf/nan check, skip, scale update); fp16 adds agreement checks."""
+        if not self.fp16_enabled():
+            super()._take_model_step(lr_kwargs)
+            return
+        if not getattr(self, "_vs_overflow_group_checked", False):
+            check_overflow_group(self)  # before the first step, while no rank has stepped alone
+            self._vs_overflow_group_checked = True
+        super()._take_model_step(lr_kwargs)
+        if agree_on_overflow(self):
+            # All W ran before the step; drop anything parked anyway so the next step starts clean.
+            self._store.clear()
+            self._meter.set_extra(self._store.parked_bytes)
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ins.LoadMicroBatch: _exec_load,
+        ins.PostRecvActivation: _exec_post_act,
+        ins.PostRecvGrad: _exec_post_grad,
         ins.RecvActivation: _exec_recv_act,
         ins.ForwardPass: _exec_forward,
         ins.SendActivation: _exec_send_act,

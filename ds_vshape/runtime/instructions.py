@@ -13,11 +13,10 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ..schedules import Schedule
 from ..schedules.lowering import Op, OpKind, lower
-from .comm import ACT, GRAD, Recv
 
 __all__ = [
-    "LoadMicroBatch", "RecvActivation", "ForwardPass", "SendActivation", "RecvGrad",
-    "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "recv_plan", "to_instruction",
+    "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",
+    "RecvGrad", "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "to_instruction",
 ]
 
 
@@ -27,6 +26,18 @@ class _UnitInstruction(ds_schedule.PipeInstruction):
 
 class _CommInstruction(_UnitInstruction):
     """A send or receive; kwargs add ``header`` (this transfer carries the shapes)."""
+
+
+class _PostInstruction(_CommInstruction):
+    """Issue a receive (non-blocking); kwargs add ``with_next`` (one group with the next send)."""
+
+
+class PostRecvActivation(_PostInstruction):
+    pass
+
+
+class PostRecvGrad(_PostInstruction):
+    pass
 
 
 class LoadMicroBatch(ds_schedule.PipeInstruction):
@@ -67,6 +78,8 @@ class SendGrad(_CommInstruction):
 
 _CLASSES: dict[OpKind, type[ds_schedule.PipeInstruction]] = {
     OpKind.LOAD: LoadMicroBatch,
+    OpKind.POST_ACT: PostRecvActivation,
+    OpKind.POST_GRAD: PostRecvGrad,
     OpKind.RECV_ACT: RecvActivation,
     OpKind.FORWARD: ForwardPass,
     OpKind.SEND_ACT: SendActivation,
@@ -86,19 +99,13 @@ def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
     if op.kind is OpKind.LOAD:
         return cls(micro_batch=op.micro_batch)
     unit = dict(stage=op.stage, micro_batch=op.micro_batch, seq_chunk=op.seq_chunk, peer=op.peer, buffer_id=op.buffer)
+    if issubclass(cls, _PostInstruction):
+        return cls(**unit, header=op.header, with_next=op.with_next)
     if issubclass(cls, _CommInstruction):
         return cls(**unit, header=op.header)
     if issubclass(cls, _UnitInstruction):
         return cls(**unit)
     return cls()
-
-
-def recv_plan(ops: list[Op]) -> tuple[Recv, ...]:
-    """The rank's receives in execution order, for posting them ahead of need."""
-    return tuple(
-        Recv(ACT if op.kind is OpKind.RECV_ACT else GRAD, op.stage, op.micro_batch, op.seq_chunk, op.peer, op.header)
-        for op in ops if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD)
-    )
 
 
 class IRSchedule(ds_schedule.PipeSchedule):
@@ -108,7 +115,6 @@ class IRSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
         self.schedule = schedule
         self.ops = lower(schedule, rank, train=train)
-        self.recv_plan = recv_plan(self.ops)
         self._instructions = [to_instruction(op) for op in self.ops]
 
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:

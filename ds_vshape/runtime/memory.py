@@ -3,7 +3,10 @@
 Saved-tensor hooks see every tensor an op keeps for its backward. We count each storage
 once (several ops often save the same input), skip parameters (they are not activations),
 and take the bytes off again when autograd releases the saved tensor. Weight-gradient work
-parked by split backward is added by the engine, since it is activation memory too.
+parked by split backward is added by the engine (``set_extra``), since it is activation
+memory too. Transfer buffers still in flight (``source="p2p"``) are counted beside it:
+``peak_bytes`` is the activations the schedule plans for, ``peak_total_bytes`` adds the
+transfer buffers held at the same moment.
 """
 
 from __future__ import annotations
@@ -31,18 +34,39 @@ class ActivationMeter:
         self._param_ptrs = param_ptrs
         self._refs: dict[int, int] = {}
         self.live_bytes = 0
-        self.extra_bytes = 0  # e.g. parked weight-gradient inputs
+        self._extra: dict[str, int] = {}  # "parked" weight-gradient inputs, "p2p" transfer buffers
         self.peak_bytes = 0
+        self.peak_total_bytes = 0
+
+    @property
+    def extra_bytes(self) -> int:
+        """Activation bytes held outside autograd's saved tensors (parked for W)."""
+        return self._extra.get("parked", 0)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes + self.extra_bytes
+        self.peak_total_bytes = self.live_bytes + sum(self._extra.values())
 
-    def set_extra(self, nbytes: int) -> None:
-        self.extra_bytes = nbytes
+    def set_extra(self, nbytes: int, *, source: str = "parked") -> None:
+        """Bytes held outside autograd's saved tensors, per ``source`` (each call replaces its figure)."""
+        self._extra[source] = nbytes
         self._update_peak()
+
+    def untracked_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the storages among ``tensors`` not already counted as saved (nor parameters)."""
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen and ptr not in self._refs and ptr not in self._param_ptrs:
+                seen.add(ptr)
+                total += storage.nbytes()
+        return total
 
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.extra_bytes)
+        self.peak_total_bytes = max(self.peak_total_bytes, self.live_bytes + sum(self._extra.values()))
 
     def _pack(self, tensor: torch.Tensor) -> object:
         storage = tensor.untyped_storage()

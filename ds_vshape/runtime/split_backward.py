@@ -85,6 +85,12 @@ class WeightGradStore:
     def pending(self) -> list[Hashable]:
         return list(self._parked)
 
+    def clear(self) -> None:
+        """Drop all parked work: after a skipped fp16 step nothing may carry into the next."""
+        self._parked.clear()
+        self._refs.clear()
+        self.parked_bytes = 0
+
     @property
     def current(self) -> Hashable | None:
         return self._current

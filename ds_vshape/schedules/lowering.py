@@ -6,77 +6,40 @@ A fixed chain of small passes, each a pure function tested alone:
                          (nothing could run in between, so splitting only costs a store),
                          unless B's input gradient goes to another rank: fusing would
                          hold that send back by a whole W pass on the critical path.
-2. ``add_communication`` sends after the producing pass, receives right before the
-                         consuming pass; a neighbour stage on the same rank (the turn of
-                         the V at rank p-1) is a local hand-off with no message.
+2. ``add_communication`` sends after the producing pass, a wait for the receive right
+                         before the consuming pass; a neighbour stage on the same rank (the
+                         turn of the V at rank p-1) is a local hand-off with no message.
 3. ``add_data_loading``  loads micro-batches in order, just before first use.
 4. ``assign_buffers``    gives every unit in flight on the rank a buffer slot, reusing
                          freed slots, so the slot count is the rank's peak in-flight count.
 5. ``mark_shape_headers`` flags the one transfer per (direction, stage) and step that carries
                          the tensors' shapes; the others send the payload alone, one message
                          per tensor, and the receiver posts it early with the shapes it knows.
-6. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
+6. ``place_posts``       posts each receive (non-blocking) in the one transfer order both
+                         ranks of a pair share, NCCL's rule (see ``p2p_order``);
+   ``group_crossing``    a post and the send right after it to the same peer go as one group.
+7. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
 
 Ops name pipeline ranks (``peer``), never process-group ranks; the runtime maps them.
+``p2p_check.check_transfers`` verifies the result for all ranks under NCCL's rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
+from functools import lru_cache
 
 from .ir import Action, Kind, Schedule
+from .ops import COMPUTE, SENDS, Op, OpKind, format_ops
+from .p2p_order import Pair, group_crossing, pair_orders, place_posts
 
 __all__ = [
     "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
-    "assign_buffers", "first_sends", "mark_shape_headers", "add_step_tail", "format_ops",
+    "assign_buffers", "first_sends", "mark_shape_headers", "add_step_tail", "format_ops", "programs",
 ]
 
 
-class OpKind(str, Enum):
-    LOAD = "load"
-    RECV_ACT = "recv_act"
-    FORWARD = "forward"
-    SEND_ACT = "send_act"
-    RECV_GRAD = "recv_grad"
-    BACKWARD_INPUT = "backward_input"
-    BACKWARD_WEIGHT = "backward_weight"
-    BACKWARD = "backward"
-    SEND_GRAD = "send_grad"
-    REDUCE_TIED_GRADS = "reduce_tied_grads"
-    REDUCE_GRADS = "reduce_grads"
-    OPTIMIZER_STEP = "optimizer_step"
-
-
 _COMPUTE = {Kind.F: OpKind.FORWARD, Kind.B: OpKind.BACKWARD_INPUT, Kind.W: OpKind.BACKWARD_WEIGHT, Kind.BW: OpKind.BACKWARD}
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """One instruction for one rank. ``stage`` is the model stage the data belongs to
-    (for sends and receives: the stage that consumes it); ``peer`` the other pipeline rank."""
-
-    kind: OpKind
-    stage: int = -1
-    micro_batch: int = -1
-    seq_chunk: int = 0
-    peer: int | None = None
-    buffer: int | None = None
-    header: bool = False  # a send or receive that carries the shapes (see mark_shape_headers)
-
-    def __str__(self) -> str:
-        parts = [self.kind.value]
-        if self.stage >= 0:
-            parts.append(f"s{self.stage}")
-        if self.micro_batch >= 0:
-            parts.append(f"mb{self.micro_batch}" + (f".{self.seq_chunk}" if self.seq_chunk else ""))
-        if self.peer is not None:
-            parts.append(f"peer{self.peer}")
-        if self.buffer is not None:
-            parts.append(f"buf{self.buffer}")
-        if self.header:
-            parts.append("hdr")
-        return " ".join(parts)
 
 
 def merge_backward(actions: tuple[Action, ...], *, sends_grad: frozenset[int] = frozenset()) -> tuple[Action, ...]:
@@ -137,7 +100,7 @@ def assign_buffers(ops: list[Op]) -> list[Op]:
     """Give each (stage, micro-batch, chunk) a slot from its forward to its last backward op."""
     last_use: dict[tuple[int, int, int], int] = {}
     for pos, op in enumerate(ops):
-        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD):
+        if op.kind in COMPUTE:
             last_use[(op.stage, op.micro_batch, op.seq_chunk)] = pos
     free: list[int] = []
     slots: dict[tuple[int, int, int], int] = {}
@@ -149,7 +112,7 @@ def assign_buffers(ops: list[Op]) -> list[Op]:
             slot = free.pop(0) if free else count
             count = max(count, slot + 1)
             slots[unit] = slot
-        if unit in slots and op.kind in (OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD):
+        if unit in slots and op.kind in COMPUTE:
             out.append(replace(op, buffer=slots[unit]))
             if last_use[unit] == pos:
                 free.append(slots.pop(unit))
@@ -159,7 +122,6 @@ def assign_buffers(ops: list[Op]) -> list[Op]:
     return out
 
 
-_SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
 _RECVS = {OpKind.RECV_ACT: OpKind.SEND_ACT, OpKind.RECV_GRAD: OpKind.SEND_GRAD}
 
 
@@ -176,7 +138,7 @@ def mark_shape_headers(ops: list[Op], first_sent: dict[tuple[OpKind, int], tuple
     out: list[Op] = []
     for op in ops:
         send = _RECVS.get(op.kind, op.kind)  # a receive is flagged like the send that feeds it
-        flag = send in _SENDS and first_sent.get((send, op.stage)) == (op.micro_batch, op.seq_chunk)
+        flag = send in SENDS and first_sent.get((send, op.stage)) == (op.micro_batch, op.seq_chunk)
         out.append(replace(op, header=True) if flag else op)
     return out
 
@@ -188,7 +150,7 @@ def first_sends(schedule: Schedule, orders: tuple[tuple[Action, ...], ...]) -> d
     first: dict[tuple[OpKind, int], tuple[int, int]] = {}
     for rank, actions in enumerate(orders):
         for op in add_communication(schedule, rank, actions):
-            if op.kind in _SENDS:
+            if op.kind in SENDS:
                 first.setdefault((op.kind, op.stage), (op.micro_batch, op.seq_chunk))
     return first
 
@@ -197,14 +159,32 @@ def add_step_tail(ops: list[Op]) -> list[Op]:
     return ops + [Op(OpKind.REDUCE_TIED_GRADS), Op(OpKind.REDUCE_GRADS), Op(OpKind.OPTIMIZER_STEP)]
 
 
-def lower(schedule: Schedule, rank: int, *, train: bool = True) -> list[Op]:
+def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int = 2) -> list[Op]:
     """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation)."""
+    orders, progs, pairs = _plan(schedule, train)
+    ops = add_communication(schedule, rank, progs[rank])
+    ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
+    ops = group_crossing(place_posts(ops, rank, pairs, lookahead=lookahead))
+    return add_step_tail(ops) if train else ops
+
+
+def programs(schedule: Schedule, *, train: bool = True, lookahead: int = 2) -> list[list[Op]]:
+    """Every rank's lowered ops (what ``check_transfers`` takes)."""
+    return [lower(schedule, r, train=train, lookahead=lookahead) for r in range(schedule.stages)]
+
+
+@lru_cache(maxsize=32)
+def _plan(schedule: Schedule, train: bool) -> tuple[tuple, tuple, dict[Pair, tuple]]:
+    """Per rank: the action order, the lowered action order; and every pair's transfer order.
+    Shared by all ranks' lowering, so it is computed once per schedule."""
     orders = schedule.ranks if train else tuple(_wavefront(actions) for actions in schedule.ranks)
     owner = schedule.stage_to_rank
-    remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
-    ops = add_communication(schedule, rank, merge_backward(orders[rank], sends_grad=remote))
-    ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
-    return add_step_tail(ops) if train else ops
+    progs = []
+    for rank in range(schedule.stages):
+        remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
+        progs.append(merge_backward(orders[rank], sends_grad=remote))
+    sends_of = lambda rank, action: [op for op in add_communication(schedule, rank, (action,)) if op.kind in SENDS]  # noqa: E731
+    return orders, tuple(progs), pair_orders(schedule, progs, sends_of)
 
 
 def _wavefront(actions: tuple[Action, ...]) -> tuple[Action, ...]:
@@ -212,7 +192,3 @@ def _wavefront(actions: tuple[Action, ...]) -> tuple[Action, ...]:
     # follow without waiting on a later micro-batch.
     forwards = [a for a in actions if a.kind is Kind.F]
     return tuple(sorted(forwards, key=lambda a: (a.micro_batch + a.stage, a.stage, a.seq_chunk)))
-
-
-def format_ops(ops: list[Op]) -> str:
-    return "\n".join(f"{pos:4d}  {op}" for pos, op in enumerate(ops))

@@ -20,13 +20,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600) -> list[dict[str, Any]]:
-    """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank."""
+def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
+           nccl: bool = False, backend: str = "gloo") -> list[dict[str, Any]]:
+    """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
+
+    ``nccl=True`` runs the ranks under tests/distributed/nccl_emulation.py: gloo with NCCL's
+    point-to-point rules (tags ignored, one ordered queue per pair, rendezvous sends).
+    ``backend="nccl"`` is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's
+    accelerator left to detect CUDA.
+    """
+    if backend not in ("gloo", "nccl") or (nccl and backend != "gloo"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (emulation only on gloo), got {backend!r}, nccl={nccl}")
     workdir.mkdir(parents=True, exist_ok=True)
     cases_file = workdir / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+    env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
+    if nccl:
+        env["DS_VSHAPE_NCCL_EMULATION"] = "1"
+    env["DS_VSHAPE_TEST_BACKEND"] = backend
+    if backend == "nccl":
+        del env["DS_ACCELERATOR"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            str(WORKER), str(cases_file), str(workdir)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -65,7 +65,7 @@ KEPT = kept_fraction()
 
 
 def _extra_cases_p4() -> list[dict[str, Any]]:
-    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0, "pipeline": {"w_memory": KEPT}}
+    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0, "pipeline": {"w_memory": KEPT, "measure_memory": True}}
     return [
         {"name": "pp2xdp2-zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
         {"name": "pp2xdp2-zero0-zb-h2", "schedule": "zb-h2", "p": 2, "m": 4},
@@ -73,6 +73,7 @@ def _extra_cases_p4() -> list[dict[str, Any]]:
         {"name": "clip-zero1-1f1b", "schedule": "1f1b", "p": 4, "m": 4, "clip": 0.01, "zero": 1},
         {"name": "tied-v-zb-p4", "schedule": "v-zb", "p": 4, "m": 8, "tied": True, "layers": 8},
         *({"name": f"mem-{s}", "schedule": s, **mem} for s in ("1f1b", "v-half", "v-min")),
+        *({"name": f"inflight-v-zb-m{m}", "schedule": "v-zb", "p": 4, "m": m, "steps": 1} for m in (8, 32)),
     ]
 
 
@@ -121,16 +122,21 @@ def test_features_p4(results_p4: dict, case: str) -> None:
     _assert_parity(case, results_p4[case])
 
 
-def test_transfers_carry_shapes_once_per_step_and_post_receives_early(results_p2: dict) -> None:
+def test_transfers_carry_shapes_once_per_step_in_the_pair_order(results_p2: dict) -> None:
     sender, receiver = results_p2["p2p-transfers"]
     assert "error" not in receiver, receiver.get("traceback")
     assert "error" not in sender, sender.get("traceback")
-    got = {mb: (values, dtypes) for mb, values, dtypes in receiver["out_of_order"][:-1]}
+    got = {mb: (values, dtypes) for mb, values, dtypes in receiver["out_of_order"]}
+    assert sorted(got) == [0, 1, 2]
     for mb, (values, dtypes) in got.items():
         assert values == [[[float(mb)] * 3] * 4, list(range(mb, mb + 4))] and dtypes == ["torch.float32", "torch.int64"]
-    assert receiver["out_of_order"][-1] == ["posted_at_start", 2]  # the lookahead
-    assert [len(v[0]) for _, v, _ in receiver["next_step"][:-1]] == [6, 6]
-    assert [len(v[0]) for _, v, _ in receiver["dynamic"][:-1]] == [4, 7]
+    assert [len(v[0]) for _, v, _ in receiver["next_step"]] == [6, 6]
+    assert {mb: len(v[0]) for mb, v, _ in receiver["dynamic"]} == {0: 4, 1: 7}
+    # Sends are released once known complete, before the step ends.
+    name, held, after = sender["out_of_order"][-1]
+    assert held > 0 and after == 0, sender["out_of_order"][-1]
+    # Two ranks sending to each other at once, each with its receive in one group.
+    assert sender["crossing"] == [11.0, 11.0] and receiver["crossing"] == [10.0, 10.0]
     for needle in ("changed shape within a step", "micro-batch 1", "float32[5, 3]", "dynamic_shape=True"):
         assert needle in sender["refused"], sender["refused"]
 
@@ -157,6 +163,14 @@ def test_checkpoint_from_1f1b_loads_under_v_half(results_p2: dict) -> None:
         assert res["ckpt_diff"] == 0.0, f"rank {rank}: reloaded parameters differ by {res['ckpt_diff']}"
     assert sum(r["ckpt_compared"] for r in ranks) > 0
     assert ranks[0]["ckpt_files"][0].startswith("layer_00-") and ranks[0]["ckpt_files"][0].endswith("model_states.pt")
+
+
+def test_sends_are_released_during_the_step(results_p4: dict) -> None:
+    """Bytes in flight peak at the same level whatever m: sends do not wait for the step's end."""
+    small, large = results_p4["inflight-v-zb-m8"], results_p4["inflight-v-zb-m32"]
+    _assert_parity("inflight-v-zb-m32", large)
+    assert [r["peak_inflight_bytes"] for r in large] == [r["peak_inflight_bytes"] for r in small]
+    assert all(r["peak_inflight_bytes"] > 0 for r in large)
 
 
 def test_measured_activation_memory_follows_schedule(results_p4: dict) -> None:

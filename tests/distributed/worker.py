@@ -26,6 +26,12 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 DIM = 8
 ROWS = 4  # micro-batch size
+# tests/gpu sets DS_VSHAPE_TEST_BACKEND=nccl: NCCL, rank r on cuda:LOCAL_RANK, model and data there.
+BACKEND = os.environ.get("DS_VSHAPE_TEST_BACKEND", "gloo")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if BACKEND == "nccl" else torch.device("cpu")
 
 
 class Block(nn.Module):
@@ -248,19 +254,33 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed.p2p_checks import run_p2p_case
 
         return run_p2p_case(case)
+    if case.get("fp16"):
+        from tests.distributed.fp16_checks import run_fp16_case
+
+        return run_fp16_case(case)
+    if case.get("nccl_selfcheck"):
+        from tests.distributed.nccl_checks import run_nccl_selfcheck
+
+        return run_nccl_selfcheck(case)
     p = case["p"]
     m = case["m"]
     steps = case.get("steps", 2)
     model, ref, loss_fn = _build(case, p)
+    ref.to(_device())
     engine, *_ = ds_vshape.initialize(model=model, config=_config(case, m))
-    data = _data(case, steps, m)
+    data = [(x.to(_device()), y.to(_device())) for x, y in _data(case, steps, m)]
+    if case.get("fail_step"):
+        return _failed_step(engine, data)
     if case.get("idle_rank") is not None:
         if int(os.environ["RANK"]) == case["idle_rank"]:
             return {"idle": True}
         engine.train_batch(iter(data))  # the idle rank never answers: this must fail, not hang
     it = iter(data)
+    _reset_device_peak()
     losses = [engine.train_batch(it).item() for _ in range(steps)]
-    result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None)}
+    result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None),
+                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None)}
+    result["device_max_allocated_bytes"] = _device_peak()
     result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)
     if case.get("eval"):
@@ -271,6 +291,31 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("checkpoint"):
         result.update(_checkpoint_roundtrip(engine, case, p, m))
     return result
+
+
+def _failed_step(engine: Any, data: list) -> dict[str, Any]:
+    """Micro-batch 1 of the first step has the wrong width: that step fails (on the first
+    stage, and by timeout on the others). The next step must refuse at once, not hang."""
+    x, y = data[1]
+    data = [data[0], (torch.cat([x, x], dim=-1), y)] + data[2:]
+    errors = []
+    for _ in range(2):
+        try:
+            engine.train_batch(iter(data))
+            errors.append(None)
+        except Exception as err:  # both steps must fail; the test reads the messages
+            errors.append(f"{type(err).__name__}: {err}")
+    return {"errors": errors}
+
+
+def _reset_device_peak() -> None:
+    if BACKEND == "nccl":
+        torch.cuda.reset_peak_memory_stats(_device())
+
+
+def _device_peak() -> int | None:
+    """Most CUDA memory allocated since the reset (None on the CPU): an upper bound for the meter."""
+    return torch.cuda.max_memory_allocated(_device()) if BACKEND == "nccl" else None
 
 
 def _checkpoint_roundtrip(engine: Any, case: dict[str, Any], p: int, m: int) -> dict[str, Any]:
@@ -297,7 +342,14 @@ def _by_layer(engine: Any) -> dict[str, torch.Tensor]:
 def main() -> None:
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
-    deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("DS_VSHAPE_NCCL_EMULATION") == "1":
+        # Before any process group exists, so that every p2p call from here on is emulated.
+        from tests.distributed import nccl_emulation
+
+        nccl_emulation.install()
+    if BACKEND == "nccl":
+        torch.cuda.set_device(_device())
+    deepspeed.init_distributed(dist_backend=BACKEND)
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for case in cases:
@@ -309,6 +361,16 @@ def main() -> None:
                 continue
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)
+    _exit_if_wedged()
+
+
+def _exit_if_wedged() -> None:
+    """Skip interpreter teardown when emulated p2p pairs are wedged (it would abort the rank)."""
+    emulation = sys.modules.get("tests.distributed.nccl_emulation")
+    if emulation is not None and emulation.unfinished_ops():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_step_tail_and_forward_only_lowering() -> None:
     assert [op.kind for op in add_step_tail([])] == [OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP]
     sched = generate("zb-h1", 2, 4)
     ops = lower(sched, 1, train=False)
-    assert all(op.kind in (OpKind.LOAD, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT) for op in ops)
+    assert all(op.kind in (OpKind.LOAD, OpKind.POST_ACT, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT) for op in ops)
     assert str(Op(OpKind.FORWARD, 1, 3, buffer=0)) == "forward s1 mb3 buf0"
 
 

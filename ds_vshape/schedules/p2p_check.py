@@ -1,0 +1,154 @@
+"""Check lowered op lists against NCCL's point-to-point rules, without any process.
+
+Two checks over every rank's ops (``programs``):
+
+* **mirror**: for each pair of ranks, the transfers one issues to the other (sends and
+  receive posts, in order) are the other's, with sends and receives swapped. NCCL matches
+  the i-th send with the i-th receive regardless of tags, so anything else misroutes data.
+* **progress**: an event-driven run under NCCL's rules finishes. Sends and posts are
+  non-blocking for the host but queue per pair and complete in issue order, a send only
+  together with its receive (rendezvous); a group (``Op.with_next``) enters the queue as
+  one; the host blocks on a wait until its receive completed, and, after posting a receive
+  that brings the shapes, before its next operation with that peer (the payload can only
+  be posted once the shapes are read). The step tail (reduces, optimizer step) is a
+  barrier of all ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .ops import POSTS, SENDS, WAITS, Op, OpKind
+from .p2p_order import TransferOrderError
+
+__all__ = ["check_transfers"]
+
+_TAIL = frozenset({OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP})
+
+
+def check_transfers(programs: Sequence[Sequence[Op]]) -> None:
+    """Raise ``TransferOrderError`` naming the ranks and operations when a rule is broken."""
+    _check_mirror(programs)
+    _Run(programs).run()
+
+
+def _pair_ops(ops: Sequence[Op], peer: int) -> list[tuple[str, tuple]]:
+    return [("send" if op.kind in SENDS else "recv", op.transfer) for op in ops if op.kind in SENDS | POSTS and op.peer == peer]
+
+
+def _check_mirror(programs: Sequence[Sequence[Op]]) -> None:
+    flip = {"send": "recv", "recv": "send"}
+    for a in range(len(programs)):
+        for b in range(a + 1, len(programs)):
+            mine = [(flip[kind], t) for kind, t in _pair_ops(programs[a], b)]
+            theirs = _pair_ops(programs[b], a)
+            if mine == theirs:
+                continue
+            x = next((i for i, (u, v) in enumerate(zip(mine, theirs)) if u != v), min(len(mine), len(theirs)))
+            got_a = f"{flip[mine[x][0]]} {mine[x][1]}" if x < len(mine) else "nothing"
+            got_b = f"{theirs[x][0]} {theirs[x][1]}" if x < len(theirs) else "nothing"
+            raise TransferOrderError(
+                f"ranks {a} and {b} disagree on their transfer order at position {x}: rank {a} issues {got_a}, "
+                f"rank {b} issues {got_b}. NCCL pairs them by position, so the data would be misrouted or both would wait"
+            )
+
+
+@dataclass
+class _Entry:
+    kind: str  # "send" or "recv"
+    transfer: tuple
+    done: bool = False
+
+
+@dataclass
+class _Run:
+    programs: Sequence[Sequence[Op]]
+    host: list[int] = field(default_factory=list)
+    queues: dict[tuple[int, int], deque[list[_Entry]]] = field(default_factory=dict)
+    received: set[tuple[int, tuple]] = field(default_factory=set)
+    shapes_pending: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (rank, peer) -> header receive
+    held: dict[int, tuple[int, _Entry]] = field(default_factory=dict)  # rank -> (peer, post issued with the next send)
+
+    def run(self) -> None:
+        self.host = [0] * len(self.programs)
+        while True:
+            moved = any([self._advance(r) for r in range(len(self.programs))])
+            moved = self._match() or moved
+            if not moved:
+                break
+        stuck = [r for r, ops in enumerate(self.programs) if self.host[r] < len(ops)]
+        queued = {k: q for k, q in self.queues.items() if q}
+        if stuck or queued:
+            raise TransferOrderError(self._deadlock(stuck, queued))
+
+    def _advance(self, r: int) -> bool:
+        ops, moved = self.programs[r], False
+        while self.host[r] < len(ops) and self._can_issue(r, ops[self.host[r]]):
+            self._issue(r, ops[self.host[r]])
+            self.host[r] += 1
+            moved = True
+        return moved
+
+    def _can_issue(self, r: int, op: Op) -> bool:
+        if op.kind in WAITS:
+            return (r, op.transfer) in self.received
+        if op.kind in SENDS | POSTS:
+            return (r, op.peer) not in self.shapes_pending
+        if op.kind in _TAIL:
+            return all(self._at_tail(q) for q in range(len(self.programs)))
+        return True
+
+    def _at_tail(self, q: int) -> bool:
+        ops = self.programs[q]
+        return self.host[q] >= len(ops) or ops[self.host[q]].kind in _TAIL
+
+    def _issue(self, r: int, op: Op) -> None:
+        if op.kind not in SENDS | POSTS:
+            if r in self.held:
+                raise TransferOrderError(f"pipeline rank {r}: a receive marked to go with the next send is followed by {op}")
+            return
+        entry = _Entry("send" if op.kind in SENDS else "recv", op.transfer)
+        if op.kind in POSTS and op.header:
+            self.shapes_pending[(r, op.peer)] = op.transfer
+        if op.with_next:
+            self.held[r] = (op.peer, entry)
+            return
+        group = [entry]
+        if r in self.held:
+            peer, first = self.held.pop(r)
+            if peer != op.peer or op.kind not in SENDS:
+                raise TransferOrderError(f"pipeline rank {r}: a receive from rank {peer} marked to go with the next send is followed by {op}")
+            group.insert(0, first)
+        self.queues.setdefault((r, op.peer), deque()).append(group)
+
+    def _match(self) -> bool:
+        moved = False
+        for (r, q), queue in self.queues.items():
+            other = self.queues.get((q, r))
+            if not queue or not other:
+                continue
+            for e in queue[0]:
+                f = next((f for f in other[0] if not f.done and f.kind != e.kind and f.transfer == e.transfer), None)
+                if not e.done and f is not None:
+                    e.done = f.done = True
+                    receiver, sender = (r, q) if e.kind == "recv" else (q, r)
+                    self.received.add((receiver, e.transfer))
+                    if self.shapes_pending.get((receiver, sender)) == e.transfer:
+                        del self.shapes_pending[(receiver, sender)]
+                    moved = True
+        for queue in self.queues.values():
+            while queue and all(e.done for e in queue[0]):
+                queue.popleft()
+                moved = True
+        return moved
+
+    def _deadlock(self, stuck: list[int], queued: dict) -> str:
+        lines = ["the transfers deadlock under NCCL's rules (per-pair issue order, rendezvous):"]
+        for r in stuck:
+            lines.append(f"  rank {r} waits at op {self.host[r]}: {self.programs[r][self.host[r]]}")
+        for (r, q), queue in sorted(queued.items()):
+            head = ", ".join(f"{e.kind} {e.transfer}" for e in queue[0] if not e.done)
+            lines.append(f"  rank {r} -> rank {q}: {len(queue)} queued, first: {head}")
+        return "\n".join(lines)
