@@ -187,7 +187,9 @@ def build_deepspeed_like(system: str, schedule: str, args: argparse.Namespace, p
     else:
         module = PipelineModule(specs, num_stages=p, loss_fn=loss, partition_method="uniform")
     if system == "ds_vshape":
-        config = _ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120})
+        # Memory is measured every step, as for the other systems (the report compares it).
+        config = _ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120,
+                                           "measure_memory": True})
         engine, *_ = ds_vshape.initialize(model=module, config=config)
         runner.schedule = engine.schedule
         instrument_engine(engine, probe, meter_forward=False)

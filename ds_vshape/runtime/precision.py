@@ -75,8 +75,8 @@ def check_overflow_group(engine: Any) -> None:
     if missing:
         raise OverflowDisagreement(
             f"{_who(engine)}: the fp16 optimizer {type(engine.optimizer).__name__} reduces its overflow flag over "
-            f"global ranks {sorted(covered)}, which leaves out pipeline ranks {missing}, so pipeline stages would "
-            "skip different steps; pass the pipeline grid as mpu (ds_vshape.initialize does) so that its "
+            f"global ranks {sorted(covered)}, which leaves out global ranks {missing} of this pipeline, so its stages "
+            "would skip different steps; pass the pipeline grid as mpu (ds_vshape.initialize does) so that its "
             "model-parallel group spans the whole pipeline"
         )
 

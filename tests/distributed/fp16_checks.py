@@ -58,7 +58,7 @@ def _step_record(engine: Any, loss: float) -> dict[str, Any]:
 
 def _agreement_checks(engine: Any) -> dict[str, str]:
     """Provoke both refusals: ranks that disagree on overflow, an overflow group without the pipeline."""
-    out = {}
+    out: dict[str, str] = {}
     engine.optimizer.overflow = dist.get_rank() == 0  # as if only rank 0 had found an inf
     try:
         precision.agree_on_overflow(engine)
