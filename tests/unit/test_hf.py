@@ -31,6 +31,9 @@ from transformers import (
 )
 
 from ds_vshape import hf
+from ds_vshape.hf import analysis as hf_analysis
+from ds_vshape.hf import tracing as hf_tracing
+from ds_vshape.hf import weights as hf_weights
 
 VOCAB = 128
 TOL = 1e-5
@@ -244,7 +247,7 @@ def test_directory_source_reads_only_own_weights(arch: str, tmp_path: Path, monk
     model = make_model(arch)
     model.save_pretrained(tmp_path)
     keys = _checkpoint_keys(tmp_path)
-    monkeypatch.setattr(hf, "safe_open", CountingSafeOpen)
+    monkeypatch.setattr(hf_weights, "safe_open", CountingSafeOpen)
     CountingSafeOpen.reads = []
     specs, loss_fn = hf.pipeline_layers(tmp_path)
     assert CountingSafeOpen.reads == []  # planning reads no tensor
@@ -365,12 +368,15 @@ def test_only_position_dependent_outputs_are_recomputed_per_block() -> None:
         def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x * 2, position_ids.float()
 
-    recipe = hf._Recipe((hf._Arg("x", hf._Kind.HIDDEN),), (hf._Arg("position_ids", hf._Kind.POSITIONS),))
+    recipe = hf_tracing._Recipe(
+        (hf_tracing._Arg("x", hf_tracing._Kind.HIDDEN),),
+        (hf_tracing._Arg("position_ids", hf_tracing._Kind.POSITIONS),),
+    )
     example = torch.empty(2, 5, 32, device="meta")
     with pytest.raises(ValueError, match="depends on hidden-state values"):
-        hf._check_position_only(ValueDependent(), recipe, "value_dependent", example=example)
+        hf_analysis._check_position_only(ValueDependent(), recipe, "value_dependent", example=example)
     rotary = make_model("llama").model.rotary_emb
-    hf._check_position_only(rotary, recipe, "model.rotary_emb", example=example)  # accepted
+    hf_analysis._check_position_only(rotary, recipe, "model.rotary_emb", example=example)  # accepted
 
 
 def test_sharded_and_base_model_checkpoints(tmp_path: Path) -> None:

@@ -1,0 +1,76 @@
+"""Split a Hugging Face decoder-only causal LM into DeepSpeed pipeline layers.
+
+``pipeline_layers(model)`` returns ``(layers, loss_fn)`` for
+``deepspeed.pipe.PipelineModule(layers=layers, loss_fn=loss_fn, ...)``:
+
+* ``HFEmbedding``    - everything the model runs before its first decoder block
+  (token embedding, learned position embedding, embedding scale/dropout, ...).
+* ``HFDecoderBlock`` - one decoder block each.
+* ``HFFinalNorm``    - the final norm, only when the LM head is tied to the
+  input embedding (the head itself is then a ``TiedLayerSpec`` of the embedding).
+* ``HFLMHead``       - final norm + LM head, when the head is not tied.
+
+Layer interface: the first layer takes ``input_ids`` (LongTensor ``[b, s]``,
+or a 1-tuple holding it); every other layer takes and returns
+``(hidden [b, s, h] float, key_mask [b, s] int64)`` where ``key_mask`` is 1 for
+real tokens and 0 for padding (all ones when padding is not masked); the last
+layer returns logits ``[b, s, vocab]``.  ``loss_fn(logits, labels)`` is the
+shifted next-token cross-entropy transformers uses for ``labels=`` (ignore
+index -100, mean over the non-ignored targets).
+
+How the model is understood, without lists of class names: the model's own
+forward is run once on the ``meta`` device (no memory, no FLOPs) with hooks on
+every module and with the ``transformers.masking_utils`` mask builders
+temporarily wrapped.  The recording tells which ``ModuleList`` holds the
+decoder blocks, what runs before, between and after them, and with which
+arguments each block is called.  Every block argument must be rebuildable from
+the sequence alone: the hidden state, the mask builder that produced its
+attention mask (re-run per block), the rotary module that produced its
+position embeddings (re-run per block; it has no weights), ``arange`` position
+ids, or a plain constant.  Anything else raises ``ValueError`` with the reason.
+The prologue is not re-implemented at all: layer 0 runs the model's own base
+model with its block list emptied and its final norm replaced by identity.
+
+Supported: decoder-only causal LMs whose blocks are fed only the hidden state
+plus the above; tied or untied linear LM heads; one final norm (or none);
+right or left padding through ``config.pad_token_id``, masked exactly like
+``attention_mask=(input_ids != pad)`` (``mask_padding=False`` turns it off).
+Exact (0.0 logit difference) on transformers 5.23 for GPT-2, Llama, Mistral
+(sliding window), Qwen2 (mixed full/sliding layers), Qwen3, Gemma, Gemma3
+text, Phi, Phi3, OLMo2, GPT-NeoX, Falcon, OPT, Granite, StarCoder2, Mixtral;
+GPT-J within 1e-7.  Refused with ``ValueError``: bidirectional attention
+(BERT-style encoders), no linear LM head or no causal-LM class (T5), logits
+post-processing (Gemma2 soft-capping, Cohere logit scale), other losses,
+blocks needing other tensors (Bloom's ALiBi), weighted modules between blocks.
+Not supported: KV caches, packed sequences with position resets, remote code.
+
+Weights: from a directory only ``*.safetensors`` checkpoints (single or
+sharded) written with the model's module names are read; a base-model-only
+checkpoint without the prefix works too.  Each layer reads only its own
+tensors when built.  Note DeepSpeed's ``partition_method="parameters"`` builds
+(and so loads) every layer on every rank to count parameters: use
+``"uniform"``, ``"type:HFDecoderBlock"`` or ``parameter_counts()`` instead.
+
+Layout: ``loss`` (the loss), ``tracing`` (the meta-device trace and the
+recipes that replay its calls), ``analysis`` (the model's anatomy and the
+checks that refuse unsupported models), ``semantics`` (the LM-head/loss
+check), ``weights`` (checkpoint reading, materialising, per-layer loading),
+``layers`` (the layer classes and ``pipeline_layers``); each depends only on
+those before it.
+"""
+
+from __future__ import annotations
+
+from .layers import HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, parameter_counts, pipeline_layers
+from .loss import IGNORE_INDEX, causal_lm_loss
+
+__all__ = [
+    "IGNORE_INDEX",
+    "HFDecoderBlock",
+    "HFEmbedding",
+    "HFFinalNorm",
+    "HFLMHead",
+    "causal_lm_loss",
+    "parameter_counts",
+    "pipeline_layers",
+]

@@ -1,0 +1,293 @@
+"""Run the model once on the ``meta`` device and record what it does; replay recorded calls.
+
+``_trace_model`` hooks every module and temporarily wraps the
+``transformers.masking_utils`` mask builders, then runs the model's own
+forward on meta tensors (no memory, no FLOPs): the ``_Trace`` holds the order
+in which modules started and ended, every module call with its arguments and
+output, and every mask-builder call.  A ``_Recipe`` says how to call a function
+again at run time, each argument tagged with a ``_Kind`` telling where its
+value comes from; ``_Runtime`` resolves those for one forward of one pipeline
+layer.  Everything here is internal to ``ds_vshape.hf``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+__all__ = [
+    "_Arg",
+    "_Call",
+    "_Kind",
+    "_MaskCall",
+    "_MaskRecipe",
+    "_Recipe",
+    "_RopeRef",
+    "_Runtime",
+    "_Trace",
+    "_trace_model",
+]
+
+# Shape of the meta-device trace batch; any small sizes > 1 would do.
+_TRACE_BATCH, _TRACE_SEQ = 2, 5
+
+
+# ----------------------------------------------------------------------- recipes
+
+
+class _Kind(enum.Enum):
+    """Where the value of one recorded call argument comes from at run time."""
+
+    CONST = "const"  # a non-tensor value, replayed as recorded
+    HIDDEN = "hidden"  # the hidden state flowing through the pipeline
+    INPUT_IDS = "input_ids"
+    KEY_MASK = "key_mask"  # 2-D padding mask (1 = token, 0 = padding)
+    POSITIONS = "positions"  # arange(seq)[None]
+    CACHE_POSITIONS = "cache_positions"  # arange(seq)
+    ROPE = "rope"  # output of a weight-free rotary module, re-run
+    MASK = "mask"  # output of a masking_utils builder, re-run
+
+
+@dataclass(frozen=True)
+class _Arg:
+    name: str
+    kind: _Kind
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How to call one function again: the first argument positionally, the rest by name."""
+
+    positional: tuple[_Arg, ...]
+    keyword: tuple[_Arg, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _MaskRecipe:
+    builder: Callable[..., Any]
+    recipe: _Recipe
+
+
+@dataclass(frozen=True, eq=False)
+class _RopeRef:
+    path: str
+    recipe: _Recipe
+
+
+class _Runtime:
+    """Resolves recipe arguments for one forward call of one pipeline layer."""
+
+    def __init__(
+        self,
+        *,
+        hidden: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        ropes: Mapping[str, nn.Module] | None = None,
+    ) -> None:
+        self._hidden, self._input_ids, self._key_mask = hidden, input_ids, key_mask
+        self._ropes = ropes or {}
+        self._memo: dict[int, Any] = {}
+
+    def call(self, fn: Callable[..., Any], recipe: _Recipe) -> Any:
+        args = [self._resolve(arg) for arg in recipe.positional]
+        kwargs = {arg.name: self._resolve(arg) for arg in recipe.keyword}
+        return fn(*args, **kwargs)
+
+    def _resolve(self, arg: _Arg) -> Any:
+        kind = arg.kind
+        if kind is _Kind.CONST:
+            return arg.value
+        if kind is _Kind.HIDDEN:
+            return self._hidden
+        if kind is _Kind.INPUT_IDS:
+            return self._input_ids
+        if kind is _Kind.KEY_MASK:
+            return self._key_mask
+        if kind is _Kind.POSITIONS:
+            return self._positions().unsqueeze(0)
+        if kind is _Kind.CACHE_POSITIONS:
+            return self._positions()
+        if kind is _Kind.ROPE:
+            ref: _RopeRef = arg.value
+            return self._once(ref, lambda: self.call(self._ropes[ref.path], ref.recipe))
+        mask: _MaskRecipe = arg.value
+        return self._once(mask, lambda: self.call(mask.builder, mask.recipe))
+
+    def _once(self, key: object, compute: Callable[[], Any]) -> Any:
+        # Blocks of one layer may share a mask/rotary output; compute it once.
+        if id(key) not in self._memo:
+            self._memo[id(key)] = compute()
+        return self._memo[id(key)]
+
+    def _positions(self) -> torch.Tensor:
+        # No KV cache and no packing: positions are always 0..s-1, as HF does
+        # when position_ids is not given (also with padding).
+        ref = self._hidden if self._hidden is not None else self._input_ids
+        assert ref is not None
+        return torch.arange(ref.shape[1], device=ref.device)
+
+
+# ------------------------------------------------------------------------- trace
+
+
+@dataclass
+class _Call:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+
+@dataclass
+class _MaskCall:
+    builder: Callable[..., Any]
+    arguments: dict[str, Any]
+    marker: torch.Tensor
+
+
+@dataclass
+class _Trace:
+    events: list[tuple[str, str]] = field(default_factory=list)  # ("start"|"end", module path)
+    calls: dict[str, list[_Call]] = field(default_factory=dict)
+    masks: list[_MaskCall] = field(default_factory=list)
+    input_mask: torch.Tensor | None = None
+
+    def index(self, kind: str, path: str) -> int:
+        return self.events.index((kind, path))
+
+
+def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
+    """Run ``lm`` once on meta tensors, recording module calls and mask builder calls."""
+    trace = _Trace()
+    handles = []
+    # The hooks read the trace to fill from a box, so a retry can swap in a fresh one.
+    box = [trace]
+    for path, module in lm.named_modules():
+        handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path)))
+        handles.append(module.register_forward_hook(functools.partial(_on_end, box, path), with_kwargs=True))
+    try:
+        _run_on_meta(lm, trace, with_padding=with_padding, dtype=None)
+    except Exception as error:
+        # Some kernels (e.g. grouped MoE matmuls) accept only bf16, even on
+        # meta; the dtype does not change the structure we record.
+        trace = box[0] = _Trace()
+        try:
+            _run_on_meta(lm, trace, with_padding=with_padding, dtype=torch.bfloat16)
+        except Exception:  # any failure means we cannot understand the model
+            raise ValueError(f"cannot trace {type(lm).__name__} on the meta device: {error!r}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace
+
+
+def _run_on_meta(lm: PreTrainedModel, trace: _Trace, *, with_padding: bool, dtype: torch.dtype | None) -> None:
+    input_ids = torch.zeros(_TRACE_BATCH, _TRACE_SEQ, dtype=torch.long, device="meta")
+    key_mask = torch.ones_like(input_ids) if with_padding else None
+    trace.input_mask = key_mask
+    inputs = {"input_ids": input_ids, "attention_mask": key_mask, "use_cache": False}
+    with _recording_mask_builders(lm, trace.masks), _autocast_accepting_meta():
+        torch.func.functional_call(lm, _meta_state(lm, dtype), (), inputs, strict=False)
+
+
+@contextlib.contextmanager
+def _autocast_accepting_meta() -> Iterator[None]:
+    """Let ``torch.autocast(device_type="meta", ...)`` be a no-op while tracing.
+
+    Rotary modules of older transformers (4.56 - 5.x) switch autocast off by
+    the input's device type, which torch rejects for ``meta``; there is
+    nothing to cast there.
+    """
+    real, real_enabled = torch.autocast, torch.is_autocast_enabled
+
+    def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *args, **kwargs)
+
+    def is_autocast_enabled(*args: Any) -> bool:
+        return False if args == ("meta",) else real_enabled(*args)
+
+    torch.autocast, torch.is_autocast_enabled = autocast, is_autocast_enabled  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autocast, torch.is_autocast_enabled = real, real_enabled  # type: ignore[misc]
+
+
+def _on_start(box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+    box[0].events.append(("start", path))
+
+
+def _on_end(
+    box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    box[0].events.append(("end", path))
+    box[0].calls.setdefault(path, []).append(_Call(args, dict(kwargs), output))
+
+
+def _meta_state(lm: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    # Deduplicated names: functional_call re-ties shared (tied) parameters itself.
+    state = {}
+    for name, tensor in [*lm.named_parameters(), *lm.named_buffers()]:
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        state[name] = torch.empty_like(tensor, device="meta", dtype=target)
+    return state
+
+
+@contextlib.contextmanager
+def _recording_mask_builders(lm: nn.Module, records: list[_MaskCall]) -> Iterator[None]:
+    """Wrap the masking_utils builders imported by the model's modules, restoring them after."""
+    patched: list[tuple[dict[str, Any], str, Any]] = []
+    namespaces = {id(ns): ns for ns in _modeling_namespaces(lm)}.values()
+    for namespace in namespaces:
+        for attr, value in list(namespace.items()):
+            if _is_mask_builder(value):
+                namespace[attr] = _mask_recorder(value, records)
+                patched.append((namespace, attr, value))
+    try:
+        yield
+    finally:
+        for namespace, attr, value in patched:
+            namespace[attr] = value
+
+
+def _modeling_namespaces(lm: nn.Module) -> Iterator[dict[str, Any]]:
+    for module in lm.modules():
+        python_module = sys.modules.get(type(module).__module__)
+        if python_module is not None:
+            yield vars(python_module)
+
+
+def _is_mask_builder(value: Any) -> bool:
+    return (
+        inspect.isfunction(value)
+        and value.__module__ == "transformers.masking_utils"
+        and value.__name__.startswith("create_")
+    )
+
+
+def _mask_recorder(builder: Callable[..., Any], records: list[_MaskCall]) -> Callable[..., Any]:
+    signature = inspect.signature(builder)
+
+    @functools.wraps(builder)
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)
+        # A fresh tensor per call lets us tell, by identity, which builder made
+        # the mask each block receives (real builders may return None for sdpa).
+        embeds = bound.arguments.get("inputs_embeds")
+        shape = (embeds.shape[0], 1, embeds.shape[1], embeds.shape[1]) if embeds is not None else (1, 1, 1, 1)
+        marker = torch.ones(shape, dtype=torch.bool, device="meta")
+        records.append(_MaskCall(builder, dict(bound.arguments), marker))
+        return marker
+
+    return record
