@@ -8,6 +8,7 @@ status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from .schedules.costs import Costs
 from .schedules.ir import Schedule
 from .schedules.registry import GeneratorInfo, generate, get_info, schedule_names
+from .schedules.seq_partition import MODES, chunk_boundaries, chunk_costs, chunk_lengths
 from .schedules.render import (
     BASELINE,
     ascii_timeline,
@@ -72,9 +74,14 @@ def build_parser(*, prog: str = "ds-vshape") -> argparse.ArgumentParser:
     sim.add_argument("--width", type=int, metavar="N", help="characters of the ASCII timeline (default: fit passes, at most 160)")
     sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG timeline (needs matplotlib)")
     sim.add_argument("--trace", type=Path, metavar="FILE.json", help="write a Chrome trace (open in ui.perfetto.dev)")
+    _add_seq_partition_options(sim)
     sim.set_defaults(handler=_cmd_simulate)
 
-    cmp = sub.add_parser("compare", help="simulate every schedule at one (p, m) and tabulate against 1f1b")
+    cmp = sub.add_parser(
+        "compare",
+        help="simulate every schedule at one (p, m) and tabulate against 1f1b; with --seq-chunks K the schedules "
+        "that cut sequences use K, the others run unchunked (column k says which)",
+    )
     _add_schedule_options(cmp, with_name=False)
     _add_cost_options(cmp, memory=True)
     cmp.add_argument("--format", choices=("text", "markdown"), default="text", help="table style (default text)")
@@ -91,7 +98,8 @@ def _add_schedule_options(parser: argparse.ArgumentParser, *, with_name: bool = 
     parser.add_argument("--stages", "-p", type=int, required=True, metavar="P", help="pipeline ranks p")
     parser.add_argument("--micro-batches", "-m", type=int, required=True, metavar="M", help="micro-batches per step")
     parser.add_argument("--chunks", "-v", type=int, metavar="V", help="model chunks per rank, for schedules that let you pick")
-    parser.add_argument("--seq-chunks", "-k", type=int, metavar="K", help="sequence chunks, for schedules that cut sequences")
+    parser.add_argument("--seq-chunks", "-k", type=int, metavar="K",
+                        help="sequence chunks per micro-batch, for schedules that cut sequences ('list' shows which)")
     parser.add_argument("--memory-limit", type=float, metavar="X", help="activation memory limit in M_B, for schedules that take one")
 
 
@@ -107,6 +115,18 @@ def _add_cost_options(parser: argparse.ArgumentParser, *, memory: bool) -> None:
     if memory:
         group.add_argument("--kept-until-w", type=float, default=None, metavar="S",
                            help="count memory as if B kept this share for W instead, 0..1 (default: --w-memory)")
+
+
+def _add_seq_partition_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sequence partition (with --seq-chunks: where chunks are cut, and what each costs)")
+    group.add_argument("--seq-partition", choices=MODES, metavar="MODE",
+                       help="uniform: equal tokens per chunk; compute: equal cost per chunk (later chunks shorter). "
+                            "Prints the boundaries and each chunk's cost, and simulates with those costs")
+    group.add_argument("--seq-len", type=int, default=4096, metavar="N", help="tokens per sequence (default 4096)")
+    group.add_argument("--hidden", type=int, default=4096, metavar="H", help="hidden size (default 4096)")
+    group.add_argument("--heads", type=int, default=32, metavar="A", help="attention heads (default 32)")
+    group.add_argument("--head-dim", type=int, metavar="D", help="size of one head (default hidden / heads)")
+    group.add_argument("--ffn", type=int, metavar="F", help="FFN width (default 4 * hidden)")
 
 
 def _costs(args: argparse.Namespace) -> Costs:
@@ -149,10 +169,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.width is not None and args.width < 10:
         raise ValueError(f"--width must be at least 10, got {args.width}")
     schedule = _generate(args, costs)
+    partition = _seq_partition(args, schedule.seq_chunks)
+    if partition is not None:
+        costs = dataclasses.replace(costs, seq_weights=partition[1])
     result = simulate(schedule, costs, kept_until_w=kept)
-    baseline = _baseline(args.stages, args.micro_batches, costs, kept)
+    baseline = _baseline(args.stages, args.micro_batches, dataclasses.replace(costs, seq_weights=None), kept)
     print(_simulate_header(schedule, costs, kept))
     print()
+    if partition is not None:
+        print(_partition_table(args, *partition))
+        print()
     print(_summary_table(result, baseline))
     print()
     print(rank_rows(result, baseline))
@@ -160,6 +186,33 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(ascii_timeline(result, schedule, width=args.width))
     _write_outputs(args, result, schedule)
     return 0
+
+
+def _model_dims(args: argparse.Namespace) -> dict[str, int | None]:
+    return {"hidden": args.hidden, "heads": args.heads, "head_dim": args.head_dim, "ffn": args.ffn}
+
+
+def _seq_partition(args: argparse.Namespace, k: int) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """(boundaries, per-chunk cost per layer) for ``--seq-partition``, or None without it."""
+    if args.seq_partition is None:
+        return None
+    dims = _model_dims(args)
+    boundaries = chunk_boundaries(args.seq_len, k, mode=args.seq_partition, **dims)
+    return boundaries, chunk_costs(boundaries, **dims)  # type: ignore[arg-type]
+
+
+def _partition_table(args: argparse.Namespace, boundaries: tuple[int, ...], costs: tuple[float, ...]) -> str:
+    d_h = args.head_dim or args.hidden // args.heads
+    lines = [
+        f"{args.seq_partition} partition of {args.seq_len} tokens into {len(costs)} chunks "
+        f"(hidden {args.hidden}, heads {args.heads}, head_dim {d_h}, ffn {args.ffn or 4 * args.hidden}); "
+        f"boundaries {' '.join(str(b) for b in boundaries)}",
+        "chunk  tokens  cost/layer  share",
+    ]
+    total = sum(costs)
+    for j, (tokens, cost) in enumerate(zip(chunk_lengths(boundaries), costs)):
+        lines.append(f"{j:>5}  {tokens:>6}  {cost:>10.4g}  {cost / total:>5.1%}")
+    return "\n".join(lines)
 
 
 def _baseline(p: int, m: int, costs: Costs, kept: float) -> SimResult | None:

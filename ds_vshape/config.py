@@ -33,9 +33,11 @@ class PipelineConfig(BaseModel):
 
     schedule: str | None = Field(None, description="Schedule name (see `ds-vshape list`); absent means stock DeepSpeed 1F1B.")
     chunks: int | None = Field(None, ge=1, description="Model stages per rank for interleaved / breadth-first (V schedules always use 2).")
-    seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (seq1f1b only).")
+    seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k = 1 only for now.")
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto).")
-    partition_method: str = Field("parameters", description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'.")
+    partition_method: str | None = Field(
+        None, description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'; absent means the "
+        "stock PipelineModule's own partition_method (DeepSpeed's default there is 'parameters').")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive may take before the step fails with a named error.")
     measure_memory: bool = Field(
         False,
@@ -75,7 +77,7 @@ class PipelineConfig(BaseModel):
         info = get_info(self.schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
-            raise ValueError(f"pipeline.seq_chunks applies only to seq1f1b, not {self.schedule!r}; remove it")
+            raise ValueError(f"pipeline.seq_chunks applies only to the schedules that cut sequences (`ds-vshape list` shows --seq-chunks), not {self.schedule!r}; remove it or pick one of those")
         if self.memory_limit is not None and not info.memory_limit:
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self

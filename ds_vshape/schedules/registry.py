@@ -21,6 +21,10 @@ class GeneratorInfo:
 
     ``fixed_chunks``: model stages per rank the schedule always uses (1 linear, 2 V), or None
     when the user picks v (``chunks``, default 2). ``min_micro_batches(p, v, k)``: the smallest m.
+    ``seq_chunks``: the schedule accepts k > 1 sequence chunks per micro-batch; this flag is
+    the one place that says so (config, CLI and ``generate`` all read it).
+    ``default_seq_chunks``: the k used when none is asked for (1 unless the schedule's name
+    promises chunks, as ``seq1f1b`` does).
     """
 
     name: str
@@ -29,6 +33,7 @@ class GeneratorInfo:
     aliases: tuple[str, ...] = ()
     fixed_chunks: int | None = 1
     seq_chunks: bool = False
+    default_seq_chunks: int = 1
     memory_limit: bool = False
     uses_costs: bool = False
     zero_stages: tuple[int, ...] = (0, 1)
@@ -108,8 +113,10 @@ def generate(
 
 
 def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
-    if requested in (None, 1):
-        return 2 if info.seq_chunks and requested is None else 1
+    if requested is None:
+        return info.default_seq_chunks
+    if requested == 1:
+        return 1
     if not info.seq_chunks:
         raise ValueError(f"schedule {info.name!r} does not cut sequences; seq_chunks applies to: {_with('seq_chunks')}")
     if requested < 1:  # type: ignore[operator]

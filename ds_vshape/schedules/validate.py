@@ -1,5 +1,9 @@
 """Validation: every unit computed exactly once, on its owner, in an order that can finish.
 
+Rules, checked in this order: ``range``, ``ownership``, ``exactly-once``, ``backward-form``,
+``seq-chunk-order`` (on each stage a micro-batch's sequence chunks go forward 0..k-1 and
+backward, B or BW, k-1..0) and ``dependency`` (no deadlock).
+
 A failure raises ScheduleError naming the rank, the position and the rule, with the
 schedule grid attached, so a wrong generator is debugged from the message alone.
 """
@@ -59,6 +63,7 @@ def validate(schedule: Schedule) -> Schedule:
     """Check ownership, coverage and that the per-rank orders can all complete; returns it."""
     _check_ownership(schedule)
     _check_coverage(schedule)
+    _check_seq_chunk_order(schedule)
     _check_progress(schedule)
     return schedule
 
@@ -97,6 +102,40 @@ def _check_unit(schedule: Schedule, counts: Counter, first: dict, unit: tuple[in
     if not has_bw and not (has_b and has_w):
         missing = "B" if not has_b else "W"
         raise ScheduleError(schedule, "backward-form", f"unit {unit} has neither BW nor both B and W (missing {missing})", rank=owner)
+
+
+def _check_seq_chunk_order(schedule: Schedule) -> None:
+    """On every stage, a micro-batch's chunks run F in ascending and B/BW in descending order.
+
+    A chunk's attention reads the keys and values of the earlier chunks, and a later chunk's
+    backward adds into their gradients: an order breaking this can never run, and naming it
+    here beats the generic deadlock that ``_check_progress`` would report.
+    """
+    if schedule.seq_chunks == 1:
+        return
+    for rank, actions in enumerate(schedule.ranks):
+        seen: dict[tuple[bool, int, int], tuple[int, int]] = {}  # (backward?, stage, mb) -> (chunk, step)
+        for pos, a in enumerate(actions):
+            if a.kind is Kind.W:
+                continue
+            backward = a.kind.is_backward
+            key = (backward, a.stage, a.micro_batch)
+            if key in seen:
+                chunk, step = seen[key]
+                if (a.seq_chunk > chunk) if backward else (a.seq_chunk < chunk):
+                    _raise_chunk_order(schedule, rank, pos, a, chunk, step)
+            seen[key] = (a.seq_chunk, pos)
+
+
+def _raise_chunk_order(schedule: Schedule, rank: int, pos: int, a: Action, chunk: int, step: int) -> None:
+    kind = "backward" if a.kind.is_backward else "forward"
+    rule = "descending, k-1..0" if a.kind.is_backward else "ascending, 0..k-1"
+    message = (
+        f"{a} runs the {kind} of seq chunk {a.seq_chunk} of micro-batch {a.micro_batch} on stage {a.stage} after that of "
+        f"chunk {chunk} (step {step}); a micro-batch's chunks run {kind} in {rule} order on every stage: "
+        f"move {a} before step {step}"
+    )
+    raise ScheduleError(schedule, "seq-chunk-order", message, rank=rank, pos=pos)
 
 
 def _check_progress(schedule: Schedule) -> None:

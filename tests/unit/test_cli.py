@@ -123,3 +123,34 @@ def test_python_dash_m_entry_point() -> None:
     bad = subprocess.run([sys.executable, "-m", "ds_vshape", "export", "-s", "nope", "-p", "2", "-m", "2"],
                          cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "valid names" in bad.stderr
+
+
+def test_compare_with_seq_chunks_uses_k_where_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "-p", "4", "-m", "8", "--seq-chunks", "4"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    for name in schedule_names():
+        assert rows[name][2] == ("4" if get_info(name).seq_chunks else "1"), name  # column k
+    assert set(rows) == set(schedule_names())  # none skipped
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "v-half", "v-zb"])
+def test_simulate_with_seq_chunks(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    assert main(["simulate", "-s", name, "-p", "4", "-m", "8", "--seq-chunks", "2"]) == 0
+    assert f"{name}: p=4 m=8 v=" in (out := capsys.readouterr().out) and "k=2" in out
+
+
+def test_simulate_prints_compute_partition(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "-s", "1f1b", "-p", "4", "-m", "8", "-k", "4", "--seq-partition", "compute",
+            "--seq-len", "8192", "--hidden", "2048", "--heads", "16", "--ffn", "8192"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compute partition of 8192 tokens into 4 chunks" in out and "boundaries 0 " in out
+    table = out.split("cost/layer  share\n")[1].split("\n\n")[0].splitlines()
+    tokens = [int(line.split()[1]) for line in table]
+    assert len(tokens) == 4 and sum(tokens) == 8192 and tokens == sorted(tokens, reverse=True)
+    assert all(line.split()[3] == "25.0%" for line in table)
+
+
+def test_seq_chunks_refused_by_other_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "-s", "interleaved", "-p", "4", "-m", "8", "--seq-chunks", "2"]) == 2
+    assert "does not cut sequences" in capsys.readouterr().err

@@ -34,3 +34,9 @@ def test_bad_blocks_name_the_field_and_the_fix(block: dict, needle: str) -> None
 
 def test_every_field_is_described() -> None:
     assert all(f.description for f in PipelineConfig.model_fields.values())
+
+
+def test_seq_chunks_follow_the_registry_flag() -> None:
+    assert parse_pipeline_config({"pipeline": {"schedule": "zb-h1", "seq_chunks": 4}}).make_schedule(4, 8).seq_chunks == 4
+    with pytest.raises(ConfigError, match="seq_chunks applies only to the schedules that cut sequences.*'interleaved'"):
+        parse_pipeline_config({"pipeline": {"schedule": "interleaved", "seq_chunks": 2}})

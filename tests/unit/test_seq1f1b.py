@@ -64,4 +64,9 @@ def test_default_and_flags() -> None:
     assert generate("seq1f1b", 4, 4).seq_chunks == 2
     assert get_info("seq1f1b").seq_chunks
     with pytest.raises(ValueError, match="seq_chunks"):
-        generate("zb-h1", 4, 4, seq_chunks=2)
+        generate("interleaved", 4, 4, seq_chunks=2)
+
+
+def test_seq1f1b_is_1f1b_with_chunks() -> None:
+    for p, m, k in ((2, 3, 2), (4, 8, 3), (8, 5, 4)):
+        assert generate("seq1f1b", p, m, seq_chunks=k).ranks == generate("1f1b", p, m, seq_chunks=k).ranks

@@ -22,6 +22,12 @@ simulator's count with ``kept_until_w=w_memory``. The budget ``cap`` bounds the 
 that keeps more than planned. A W placed late in a gap is therefore also forced in early:
 when the next F would break either bound, the rank runs its oldest pending W instead.
 With ``w_memory=0`` that only happens at ``w_cap``, so the W passes fill gaps as before.
+
+Sequence chunks: with k chunks per micro-batch the framework runs on the m k units of
+``_seq_units`` (each 1/k of a micro-batch, one slot per pass). ``shift_backward`` moves
+every B k-1 periods later, so that B1 of a unit follows the forward of its micro-batch's
+last chunk in the order; ``squeeze(seq_chunks=k)`` makes the backward at the V's turn wait
+for that forward too, and names the passes after their (micro-batch, chunk).
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ir import Action, B, F, W
+from ..ir import Action, Kind
+from ._seq_units import last_forward_unit, unit_action
 
 __all__ = [
     "PERIOD", "F0", "F1", "B1", "B0", "Block", "Order", "Record", "Squeezed",
-    "vmin_block", "vhalf_block", "offset_block", "check_block", "repeat", "order_peak", "squeeze",
+    "vmin_block", "vhalf_block", "offset_block", "check_block", "shift_backward", "repeat", "order_peak", "squeeze",
 ]
 
 PERIOD = 6  # a rank runs six passes per micro-batch: F0, F1, B1, B0 and the two W
@@ -114,6 +121,15 @@ def check_block(block: Block) -> None:
             raise ValueError(f"block puts two passes of rank {r} on one residue: {slots}")
 
 
+def shift_backward(block: Block, k: int) -> Block:
+    """The block with B1 and B0 k-1 periods later (residues kept, so still a valid block):
+    backward unit u waits for forward unit u + k - 1 at most (``_seq_units``)."""
+    if k < 1:
+        raise ValueError(f"seq_chunks must be >= 1, got {k}")
+    delay = PERIOD * (k - 1)
+    return tuple((f0, f1, b1 + delay, b0 + delay) for f0, f1, b1, b0 in block)
+
+
 def repeat(block: Block, m: int) -> list[Order]:
     """Each rank's F/B order: micro-batch i's passes sit at the block's slots + PERIOD * i."""
     orders = []
@@ -137,14 +153,16 @@ def order_peak(orders: Sequence[Order]) -> int:
 # ---- squeeze -----------------------------------------------------------------------------
 Record = tuple[int, int, int, int]  # (slot, kind, stage, micro_batch); kind 0 F, 1 B, 2 W
 _F, _B, _W = 0, 1, 2
-_MAKE = (F, B, W)
+_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 @dataclass(frozen=True)
 class Squeezed:
-    """A timed slot-model schedule: each rank's records in run order."""
+    """A timed slot-model schedule: each rank's records in run order, over units of
+    ``seq_chunks`` sequence chunks per micro-batch (1: units are micro-batches)."""
 
     records: tuple[tuple[Record, ...], ...]
+    seq_chunks: int = 1
 
     @property
     def span_idle(self) -> tuple[int, ...]:
@@ -163,8 +181,8 @@ class Squeezed:
         return max(self.span_idle), max(self.makespan_idle)
 
     def peak(self, *, w_memory: float = 0.0) -> float:
-        """Half-chunk activations held, max over ranks, when B frees ``1 - w_memory`` of its
-        unit's activation and W the rest (1: everything held until W)."""
+        """Half-chunk activations held (of whole micro-batches), max over ranks, when B frees
+        ``1 - w_memory`` of its unit's activation and W the rest (1: everything until W)."""
         freed = {_F: -1.0, _B: 1.0 - w_memory, _W: w_memory}
         peak = 0.0
         for rec in self.records:
@@ -172,10 +190,11 @@ class Squeezed:
             for _, kind, _, _ in rec:
                 level -= freed[kind]
                 peak = max(peak, level)
-        return peak
+        return peak / self.seq_chunks
 
     def actions(self) -> tuple[tuple[Action, ...], ...]:
-        return tuple(tuple(_MAKE[kind](stage, i) for _, kind, stage, i in rec) for rec in self.records)
+        k = self.seq_chunks
+        return tuple(tuple(unit_action(_KINDS[kind], stage, u, k) for _, kind, stage, u in rec) for rec in self.records)
 
 
 def squeeze(
@@ -187,6 +206,7 @@ def squeeze(
     w_cap: int,
     w_memory: float = 0.0,
     give_up: int | None = None,
+    seq_chunks: int = 1,
 ) -> Squeezed | None:
     """Time the orders in slots: squeeze, fill bubbles within ``cap``, place W (module doc).
 
@@ -195,13 +215,14 @@ def squeeze(
     on another rank, so the result is complete and deadlock-free. Every F keeps the load
     (``w_memory``'s share held until W) within ``cap`` and F minus W within ``w_cap``.
     ``give_up``: return None as soon as a rank has idled more than this many slots inside
-    its span (a search drops hopeless blocks).
+    its span (a search drops hopeless blocks). ``seq_chunks``: k > 1 reads ``m`` as units
+    (module doc); the orders must come from a block passed through ``shift_backward``.
     """
     if cap < order_peak(orders) or w_cap < cap:
         raise ValueError(f"need order peak <= cap <= w_cap, got peak {order_peak(orders)}, cap {cap}, w_cap {w_cap}")
     if not 0.0 <= w_memory <= 1.0:
         raise ValueError(f"w_memory must be in [0, 1], got {w_memory}")
-    state = _Squeezer(p, m, orders, cap, w_cap, w_memory)
+    state = _Squeezer(p, m, orders, cap, w_cap, w_memory, seq_chunks)
     left = 3 * 2 * p * m  # F, B and W of both chunks, per rank and micro-batch
     t = 0
     while left:
@@ -212,15 +233,17 @@ def squeeze(
         t += 1
         if give_up is not None and t % PERIOD == 0 and state.idled(t) > give_up:
             return None
-    return Squeezed(tuple(tuple(rec) for rec in state.records))
+    return Squeezed(tuple(tuple(rec) for rec in state.records), seq_chunks)
 
 
 class _Squeezer:
     """Mutable state of one squeeze. Pass keys: kind * n + stage * m + micro_batch with
     kind 0 = F and 1 = B, so a pass and the one it unblocks are one key step apart."""
 
-    def __init__(self, p: int, m: int, orders: Sequence[Order], cap: int, w_cap: int, w_memory: float) -> None:
-        self.p, self.m, self.n = p, m, 2 * p * m
+    def __init__(
+        self, p: int, m: int, orders: Sequence[Order], cap: int, w_cap: int, w_memory: float, k: int
+    ) -> None:
+        self.p, self.m, self.n, self.k = p, m, 2 * p * m, k
         self.cap, self.w_cap, self.w = cap, w_cap, w_memory
         self.keys = [[self._key(r, code, i) for code, i in order] for r, order in enumerate(orders)]
         self.delta = [[1 if code in (F0, F1) else -1 for code, _ in order] for order in orders]
@@ -278,17 +301,26 @@ class _Squeezer:
         done[j] = True
         self.level[r] += self.delta[r][j]
         stage, i = divmod(key % n, self.m)
-        if key < n:  # F: the next stage's forward, or after the last stage this unit's B
-            nxt = key + self.m if stage < 2 * self.p - 1 else key + n
+        if key < n:  # F: the next stage's forward, or after the last stage the B it unblocks
+            unblocked = [key + self.m] if stage < 2 * self.p - 1 else self._turn(i)
             self.records[r].append((t, _F, stage, i))
         else:  # B: the previous stage's backward, and this unit's W
-            nxt = key - self.m if stage > 0 else -1
+            unblocked = [key - self.m] if stage > 0 else []
             self.records[r].append((t, _B, stage, i))
             backlog.append((stage, i))
-        if nxt >= 0:
+        for nxt in unblocked:
             self.ready[nxt] = t + 1
             self.avail[self.rank_of[(nxt % n) // self.m]].append(nxt)
         return 1
+
+    def _turn(self, unit: int) -> list[int]:
+        """B keys of the last stage that the forward of ``unit`` on it unblocks: its own B,
+        or with k chunks all k backward units of its micro-batch once its last chunk is in."""
+        if last_forward_unit(unit, self.k) != unit:
+            return []
+        first = unit - (self.k - 1)
+        last_stage = 2 * self.p - 1
+        return [self.n + last_stage * self.m + u for u in range(first, unit + 1)]
 
     def _budget(self, r: int) -> tuple[float, float]:
         """(load, limit): the rank's load now and how high an F may take it.

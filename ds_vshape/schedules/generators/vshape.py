@@ -32,6 +32,12 @@ than rank 0 do not recur; ``span_idle`` gives that figure from a simulation. Cou
 slot 0 instead (``SimResult.idle``), no V schedule can go below p-1 slots per rank, and V-ZB
 reaches exactly that.
 
+``v-half``, ``v-zb`` and ``v-min`` take sequence chunks (``seq_chunks=k``): the block runs
+on the m k units of k chunks per micro-batch (see ``_seq_units``), its B passes shifted k-1
+periods later so the backward at the V's turn finds its micro-batch's last chunk forwarded.
+Each unit holds 1/k of a micro-batch, and the budget (in micro-batches) is the unchunked
+one, so the peak in M_B stays within the same bound.
+
 All four work in the slot model (unit pass costs, no communication); of ``costs`` they use
 only ``w_memory``, which decides how early the W passes must run.
 """
@@ -88,29 +94,43 @@ def _any_m(p: int, v: int, k: int) -> int:
     return 1
 
 
-@register("v-zb", aliases=("zb-v",), fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "zero bubble at peak memory p")
+@register(
+    "v-zb", aliases=("zb-v",), fixed_chunks=2, min_micro_batches=_any_m, seq_chunks=True,
+    summary=_SUMMARY + "zero bubble at peak memory p",
+)
 def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-zb", p, m, vzb_block(p), 2 * p, _w_memory(costs))
+    return _build("v-zb", p, m, vzb_block(p), 2 * p, _w_memory(costs), seq_chunks=k)
 
 
-@register("v-half", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "about half of 1F1B's bubble and memory")
+@register(
+    "v-half", fixed_chunks=2, min_micro_batches=_any_m, seq_chunks=True,
+    summary=_SUMMARY + "about half of 1F1B's bubble and memory",
+)
 def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), _w_memory(costs))
+    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), _w_memory(costs), seq_chunks=k)
 
 
-@register("v-min", fixed_chunks=2, min_micro_batches=_any_m, summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble")
+@register(
+    "v-min", fixed_chunks=2, min_micro_batches=_any_m, seq_chunks=True,
+    summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble",
+)
 def v_min(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p), _w_memory(costs))
+    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p), _w_memory(costs), seq_chunks=k)
 
 
 def _w_memory(costs: Costs | None) -> float:
     return 0.0 if costs is None else costs.w_memory
 
 
-def _build(name: str, p: int, m: int, block: blocks.Block, budget: int, w_memory: float, **params: object) -> Schedule:
-    """Repeat, squeeze and fill W; the budget never goes below what the block itself holds."""
+def _build(
+    name: str, p: int, m: int, block: blocks.Block, budget: int, w_memory: float, *, seq_chunks: int = 1, **params: object
+) -> Schedule:
+    """Repeat, squeeze and fill W; the budget never goes below what the block itself holds.
+    With ``seq_chunks`` k > 1 this runs on the m k units (module doc)."""
     _require_sizes(name, p, m)
-    squeezed = _squeeze(p, m, block, budget, w_memory)
+    if seq_chunks < 1:
+        raise ValueError(f"schedule {name!r} needs seq_chunks >= 1, got {seq_chunks}")
+    squeezed = _squeeze(p, m, block, budget, w_memory, seq_chunks=seq_chunks)
     assert squeezed is not None  # no give_up, so never abandoned
     info = {
         "block": [list(slots) for slots in block],
@@ -120,7 +140,7 @@ def _build(name: str, p: int, m: int, block: blocks.Block, budget: int, w_memory
         "span_idle_slots": max(squeezed.span_idle),
         **params,
     }
-    return Schedule(name, p, m, 2, 1, vshape(p), squeezed.actions(), params=info)
+    return Schedule(name, p, m, 2, seq_chunks, vshape(p), squeezed.actions(), params=info)
 
 
 def _require_sizes(name: str, p: int, m: int) -> None:
@@ -130,16 +150,20 @@ def _require_sizes(name: str, p: int, m: int) -> None:
 
 
 def _squeeze(
-    p: int, m: int, block: blocks.Block, budget: int, w_memory: float, *, give_up: int | None = None
+    p: int, m: int, block: blocks.Block, budget: int, w_memory: float, *, give_up: int | None = None, seq_chunks: int = 1
 ) -> blocks.Squeezed | None:
     blocks.check_block(block)
-    orders = blocks.repeat(block, m)
-    cap = max(budget, blocks.order_peak(orders))
+    k = seq_chunks
+    # With k chunks a unit holds 1/k of a micro-batch: the unchunked cap, counted in units,
+    # bounds the peak in M_B by the unchunked bound.
+    cap = k * max(budget, blocks.order_peak(blocks.repeat(block, m)))
+    orders = blocks.repeat(blocks.shift_backward(block, k), m * k)
+    cap = max(cap, blocks.order_peak(orders))
     # The budget counts the share w_memory as held until W, so W passes run early enough to
     # keep it. Beyond that, the activations a W backlog holds never exceed the budget a
     # second time: F minus W stays within 2 * cap, so memory stays bounded even when a
     # runtime keeps more until W than planned.
-    return blocks.squeeze(p, m, orders, cap=cap, w_cap=2 * cap, w_memory=w_memory, give_up=give_up)
+    return blocks.squeeze(p, m * k, orders, cap=cap, w_cap=2 * cap, w_memory=w_memory, give_up=give_up, seq_chunks=k)
 
 
 # ---- v-adaptive --------------------------------------------------------------------------

@@ -7,6 +7,11 @@ weights) depends on nothing downstream, so it is moved into the slots where 1F1B
 * ``zb-h2``: peak 2p-1 M_B; no idle slot inside any rank's span with unit costs: each
   rank's span is m(T_F+T_B+T_W) + (p-1)(T_F+T_B-2T_W) (the "parallelogram": rank r starts
   r T_F late, which the paper's optimizer post-validation overlaps with the previous step).
+* Both take sequence chunks (``seq_chunks=k``): they then order the m k units (see
+  ``_seq_units``) with k-1 more warm-up forwards per rank, the time the last chunk of a
+  micro-batch takes to reach the last rank before its backward can start; W placement
+  (each rank holds back the same W passes) is unchanged. Peak p-1+k and 2p-2+k units
+  of 1/k M_B each, at most the unchunked p and 2p-1.
 * ``zb-auto``: for the given costs and memory limit, the best (by the simulator) of the
   orders from ZB-H1 to ZB-H2 and of the paper's greedy heuristic over a grid of policies.
 
@@ -30,6 +35,7 @@ from ..ir import Action, B, F, Kind, Schedule, W
 from ..placement import linear
 from ..registry import register
 from ..simulate import simulate
+from ._seq_units import expand_units
 
 __all__ = ["zb_h1", "zb_h2", "zb_auto", "GreedyPolicy", "greedy_schedule"]
 
@@ -37,12 +43,14 @@ _EPS = 1e-9
 
 
 # ---- hand-crafted ZB-H1 / ZB-H2 -----------------------------------------------------------
-@register("zb-h1", aliases=("zb1p",), summary="zero bubble H1: 1F1B memory (p), W delayed into the bubbles")
+@register(
+    "zb-h1", aliases=("zb1p",), seq_chunks=True, summary="zero bubble H1: 1F1B memory (p), W delayed into the bubbles"
+)
 def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Rank r runs p-r forwards before its first B (1F1B's warm-up plus the F of the first
     # steady step) and holds back its first r W passes: those W fill the slots where 1F1B
     # waits for the returning gradient, which is what shortens the bubble by (p-1) T_W.
-    return Schedule("zb-h1", p, m, 1, 1, linear(p), _between_h1_and_h2(p, m, extra=0))
+    return Schedule("zb-h1", p, m, 1, k, linear(p), _chunked(p, m, k, extra=0))
 
 
 @register(
@@ -50,6 +58,7 @@ def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None 
     aliases=("zb2p",),
     summary="zero bubble H2: peak 2p-1, no idle inside a rank's span with unit costs",
     min_micro_batches=lambda p, v, k: 2 * p - 1,
+    seq_chunks=True,
 )
 def zb_h2(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Rank r runs 2(p-1-r)+1 forwards, exactly enough to cover the time until its first
@@ -59,18 +68,29 @@ def zb_h2(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None 
     # 2r+1 W passes while the gradients of the last micro-batch travel up.
     if m < 2 * p - 1:
         raise ValueError(f"zb-h2 needs at least 2p-1 = {2 * p - 1} micro-batches for p={p}, got {m}; use zb-h1 or zb-auto")
-    return Schedule("zb-h2", p, m, 1, 1, linear(p), _between_h1_and_h2(p, m, extra=p - 1))
+    return Schedule("zb-h2", p, m, 1, k, linear(p), _chunked(p, m, k, extra=p - 1))
 
 
-def _between_h1_and_h2(p: int, m: int, *, extra: int) -> tuple[tuple[Action, ...], ...]:
+def _chunked(p: int, m: int, k: int, *, extra: int) -> tuple[tuple[Action, ...], ...]:
+    """``_between_h1_and_h2`` over the m k units of k sequence chunks, renamed to real passes."""
+    if k < 1:
+        raise ValueError(f"zero-bubble schedules need seq_chunks >= 1, got {k}")
+    orders = _between_h1_and_h2(p, m * k, extra=extra, extra_warmup=k - 1)
+    return tuple(expand_units(order, k) for order in orders)
+
+
+def _between_h1_and_h2(p: int, m: int, *, extra: int, extra_warmup: int = 0) -> tuple[tuple[Action, ...], ...]:
     """ZB-H1 (extra 0) to ZB-H2 (extra p-1): rank r runs min(extra, p-1-r) more warm-up
     forwards and holds back min(extra, r) more W passes, for a peak of p + min(2 extra, p-1).
+    ``extra_warmup`` adds the same number of warm-up forwards on every rank (k-1 with k
+    sequence chunks, where ``m`` counts units).
 
     Warm-up never grows down the ranks, so no rank waits on a forward that its neighbour
     only runs after a gradient that waits on it: every ``extra`` gives a valid order.
     """
     return tuple(
-        _delayed_w_order(r, m, warmup=p - r + min(extra, p - 1 - r), w_delay=r + min(extra, r)) for r in range(p)
+        _delayed_w_order(r, m, warmup=p - r + min(extra, p - 1 - r) + extra_warmup, w_delay=r + min(extra, r))
+        for r in range(p)
     )
 
 
