@@ -19,7 +19,9 @@ from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.engine import VShapeEngine
-from .runtime.module import PipelineModule, from_deepspeed_module
+from .runtime.carry import carry_weights
+from .runtime.module import PipelineModule, from_deepspeed_module, stock_partition_method
+from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
 from .schedules import get_info
 
 __all__ = ["initialize"]
@@ -51,8 +53,8 @@ def initialize(
                                     training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
     _init_distributed(kwargs)
     module = _prepare_module(model, vs, config_dict)
-    if model_parameters is not None and module is not model:
-        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    if module is not model:
+        optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
     engine = VShapeEngine(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
@@ -61,6 +63,24 @@ def initialize(
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _carry_optimizer_setup(model: DSPipelineModule, module: PipelineModule, optimizer: Any, model_parameters: Any,
+                           lr_scheduler: Any) -> tuple[Any, Any]:
+    """Point the caller's parameter groups and optimizer object at the re-cut module's parameters.
+
+    Every rank takes part (the groups of a moved layer come from the rank that held it); a
+    callable optimizer or scheduler needs nothing: DeepSpeed calls it with what we pass.
+    """
+    check_lr_scheduler(lr_scheduler)
+    if model_parameters is not None:
+        model_parameters = carry_model_parameters(model, module, model_parameters)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = rebuild_optimizer(optimizer, model, module)
+    elif optimizer is not None and hasattr(optimizer, "param_groups"):
+        raise ConfigError(f"the optimizer object ({type(optimizer).__name__}) is not a torch.optim.Optimizer, so it cannot be "
+                          "rebuilt on the re-cut module; pass its class or a callable (optimizer=lambda params: ...) instead")
+    return optimizer, model_parameters
 
 
 def _load_config(args: Any, config: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -89,8 +109,6 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     micro_batches = _micro_batches(config, model)
     zero = int(config.get("zero_optimization", {}).get("stage", 0))
     info = get_info(vs.schedule)  # type: ignore[arg-type]
-    if info.seq_chunks:
-        raise ConfigError(f"schedule {info.name!r} is simulator-only for now (the engine does not cut attention into sequence chunks yet); pick another schedule")
     if zero not in _RUNTIME_ZERO_STAGES:
         allowed = ", ".join(str(z) for z in _RUNTIME_ZERO_STAGES)
         raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: the engine runs ZeRO stages {allowed} with every schedule; set zero_optimization.stage to 0 or 1")
@@ -106,12 +124,20 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         schedule = vs.make_schedule(p, micro_batches, check=False)
     except ValueError as err:
         raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
+    if schedule.seq_chunks > 1:  # the flag on the schedule's info only says k > 1 is possible
+        raise ConfigError(f"schedule {info.name!r} with {schedule.seq_chunks} sequence chunks is simulator-only for now (the engine does not cut attention into sequence chunks yet); pick another schedule or pipeline.seq_chunks=1")
     if len(model._layer_specs) < schedule.num_model_stages:
         raise ConfigError(
             f"the model has {len(model._layer_specs)} layers but schedule {info.name!r} cuts it into "
             f"{schedule.num_model_stages} stages ({p} ranks x {schedule.chunks_per_rank}); use fewer stages or split the model finer"
         )
-    module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=vs.partition_method)
+    try:  # the config's partition_method, else the stock module's own
+        method = vs.partition_method or stock_partition_method(model, schedule.num_model_stages)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method)
+    if module is not model:
+        carry_weights(model, module)  # the stock module's weights, also those held by another rank
     return module
 
 

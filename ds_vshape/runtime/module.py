@@ -9,16 +9,17 @@ loads what we save.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.module import PipelineModule as _DSPipelineModule
+from deepspeed.utils import logger as ds_logger
 from torch import nn
 
-__all__ = ["PipelineModule", "from_deepspeed_module"]
+__all__ = ["PipelineModule", "from_deepspeed_module", "stock_partition_method", "record_partition_methods"]
 
 
 class PipelineModule(_DSPipelineModule):
@@ -28,11 +29,17 @@ class PipelineModule(_DSPipelineModule):
     it (see ``ds_vshape.schedules.placement``); None means DeepSpeed's own one stage per rank.
     """
 
-    def __init__(self, layers: Sequence[Any], *, placement: Sequence[int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, layers: Sequence[Any], *, placement: Sequence[int] | None = None,
+                 prebuilt: Mapping[str, nn.Module] | None = None, **kwargs: Any) -> None:
+        """``prebuilt`` maps a unit name (``"3"`` for layer 3, ``"tied_modules.<key>"``) to a module
+        already built for it (by the stock module this one replaces): it is used instead of
+        building the LayerSpec again, so its weights and its parameter objects carry over."""
         # DeepSpeed's __init__ calls our _partition_layers/_build before returning, so the
         # placement must be in place first; nn.Module.__init__ has not run yet, hence object.__setattr__.
         object.__setattr__(self, "_vs_placement", tuple(placement) if placement is not None else None)
+        object.__setattr__(self, "_vs_prebuilt", dict(prebuilt or {}))
         super().__init__(layers, **kwargs)
+        self._vs_prebuilt = {}  # only needed while building; do not keep the stock modules alive through it
 
     # ---- partition ------------------------------------------------------------------------
     @property
@@ -47,6 +54,7 @@ class PipelineModule(_DSPipelineModule):
                 f"stages ({self.num_stages} ranks x {num_model_stages // self.num_stages} chunks); "
                 "use fewer pipeline stages or chunks, or split the model into more layers"
             )
+        self._vs_partition_method = method
         self.stage_parts = _partition(self, method.lower(), num_model_stages)
         rank = self._topo.get_coord(self.global_rank).pipe
         self.local_stages = [s for s, r in enumerate(self.placement) if r == rank]
@@ -77,16 +85,23 @@ class PipelineModule(_DSPipelineModule):
             (self.seed_fn or ds_utils.set_random_seed)(self.base_seed + layer_idx)
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in self.tied_modules:
-                self.tied_modules[spec.key] = spec.build()
+                self.tied_modules[spec.key] = self._prebuilt_or(f"tied_modules.{spec.key}", spec)
                 self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
             module = self.tied_modules[spec.key]
             return module if spec.forward_fn is None else partial(spec.forward_fn, module)
         if isinstance(spec, (LayerSpec, nn.Module)):
-            module = spec.build() if isinstance(spec, LayerSpec) else spec
+            module = self._prebuilt_or(str(layer_idx), spec) if isinstance(spec, LayerSpec) else spec
             self.add_module(str(layer_idx), module)
             self.fwd_map[str(layer_idx)] = len(self.forward_funcs)
             return module
         return spec  # a plain function
+
+    def _prebuilt_or(self, unit: str, spec: LayerSpec) -> nn.Module:
+        # Only the layers the stock module built on THIS rank are here; any other layer this
+        # rank now owns is built from its LayerSpec, and ds_vshape.runtime.carry then copies
+        # the stock owner's values into it.
+        module = self._vs_prebuilt.get(unit)
+        return spec.build() if module is None else module
 
     def stage_modules(self, stage: int) -> list[nn.Module]:
         return [f.args[0] if isinstance(f, partial) else f for f in self.stage_funcs[stage] if isinstance(f, (nn.Module, partial))]
@@ -155,21 +170,71 @@ def _partition(module: PipelineModule, method: str, parts: int) -> list[int]:
     raise ValueError(f"partition_method {method!r} is not supported; use 'uniform', 'parameters' or 'type:<regex>'")
 
 
-def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *, partition_method: str = "parameters") -> PipelineModule:
-    """Rebuild a stock PipelineModule for a placement, from the same layer list and settings."""
+def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *, partition_method: str | None = None) -> PipelineModule:
+    """Rebuild a stock PipelineModule for a placement, from the same layer list and settings.
+
+    ``partition_method`` None keeps the stock module's own (see ``stock_partition_method``).
+    The layers the stock module built on this rank are taken over as they are (their weights
+    and parameter objects carry); a layer this rank now owns but the stock module never built
+    here is built from its LayerSpec, and ``carry_weights`` then copies in the values of the
+    rank that held it, so nothing the stock module held is lost.
+    """
     if isinstance(module, PipelineModule) and tuple(module.placement) == tuple(placement):
         return module
+    prebuilt: dict[str, nn.Module] = {name: m for name, m in module._modules.items() if name.isdigit()}
+    prebuilt.update({f"tied_modules.{key}": m for key, m in module.tied_modules.items()})
     return PipelineModule(
         module._layer_specs,
         placement=placement,
+        prebuilt=prebuilt,
         topology=module._topo,
         loss_fn=module.loss_fn,
         seed_layers=module.seed_layers,
         seed_fn=module.seed_fn,
         base_seed=module.base_seed,
-        partition_method=partition_method,
+        partition_method=partition_method or stock_partition_method(module, len(placement)),
         activation_checkpoint_interval=module.activation_checkpoint_interval,
         activation_checkpoint_func=module.activation_checkpoint_func,
         checkpointable_layers=module.checkpointable_layers,
         dynamic_shape=getattr(module, "dynamic_shape", False),
     )
+
+
+def stock_partition_method(module: _DSPipelineModule, num_model_stages: int) -> str:
+    """The ``partition_method`` the stock module was built with.
+
+    DeepSpeed does not keep it; ``record_partition_methods`` notes it on modules built once
+    ds_vshape is imported. An older module's method is inferred from its cut (``module.parts``):
+    'uniform' or 'parameters', whichever reproduces it. When both do but cut the finer stages
+    differently, DeepSpeed's default 'parameters' is assumed, with a warning saying how to choose.
+    """
+    recorded = getattr(module, "_vs_partition_method", None)
+    if recorded is not None:
+        return recorded
+    parts = list(module.parts)
+    fits = [m for m in ("parameters", "uniform") if _partition(module, m, module.num_stages) == parts]
+    if not fits:
+        raise ValueError(f"cannot tell the stock PipelineModule's partition_method: its cut {parts} matches neither "
+                         "'parameters' nor 'uniform' (a 'type:<regex>' cut is not inferred); set pipeline.partition_method in the config")
+    if len({tuple(_partition(module, m, num_model_stages)) for m in fits}) > 1:
+        ds_logger.warning(f"ds_vshape: the stock PipelineModule's cut {parts} fits both 'parameters' and 'uniform', which cut "
+                          f"{num_model_stages} stages differently; using DeepSpeed's default 'parameters'. Set "
+                          "pipeline.partition_method in the config, or import ds_vshape before building the module, to choose")
+    return fits[0]
+
+
+def record_partition_methods() -> None:
+    """Make DeepSpeed's PipelineModule note its ``partition_method`` (it changes nothing else)."""
+    original = _DSPipelineModule._partition_layers
+    if getattr(original, "_vs_records", False):
+        return
+
+    def _partition_layers(self: _DSPipelineModule, method: str = "uniform") -> None:
+        self._vs_partition_method = method
+        original(self, method=method)
+
+    _partition_layers._vs_records = True  # type: ignore[attr-defined]
+    _DSPipelineModule._partition_layers = _partition_layers  # type: ignore[method-assign]
+
+
+record_partition_methods()

@@ -258,6 +258,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed.fp16_checks import run_fp16_case
 
         return run_fp16_case(case)
+    if case.get("dropin"):
+        from tests.distributed.dropin_checks import run_dropin_case
+
+        return run_dropin_case(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 
