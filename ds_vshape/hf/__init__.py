@@ -51,21 +51,29 @@ tensors when built.  Note DeepSpeed's ``partition_method="parameters"`` builds
 (and so loads) every layer on every rank to count parameters: use
 ``"uniform"``, ``"type:HFDecoderBlock"`` or ``parameter_counts()`` instead.
 
+Sequence chunks (Seq1F1B): inside ``with seq_chunk(state, start=b, end=e):``
+the layers run on positions ``[b, e)`` only and attend to the keys/values of
+``[0, e)`` kept per stage and micro-batch in a ``ChunkKVState``; backward runs
+chunks in descending order with ``state.backward_roots(j)`` as extra roots,
+then ``state.release(j)`` (see ``attention``).  Exact for eager/sdpa attention.
+
 Layout: ``loss`` (the loss), ``tracing`` (the meta-device trace and the
 recipes that replay its calls), ``analysis`` (the model's anatomy and the
 checks that refuse unsupported models), ``semantics`` (the LM-head/loss
 check), ``weights`` (checkpoint reading, materialising, per-layer loading),
-``layers`` (the layer classes and ``pipeline_layers``); each depends only on
-those before it.
+``attention`` (sequence chunks), ``layers`` (the layer classes and
+``pipeline_layers``); each depends only on those before it.
 """
 
 from __future__ import annotations
 
+from .attention import ChunkKVState, seq_chunk
 from .layers import HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, parameter_counts, pipeline_layers
 from .loss import IGNORE_INDEX, causal_lm_loss
 
 __all__ = [
     "IGNORE_INDEX",
+    "ChunkKVState",
     "HFDecoderBlock",
     "HFEmbedding",
     "HFFinalNorm",
@@ -73,4 +81,5 @@ __all__ = [
     "causal_lm_loss",
     "parameter_counts",
     "pipeline_layers",
+    "seq_chunk",
 ]

@@ -22,9 +22,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .analysis import _analyse, _Anatomy, _hidden_of, _is_ancestor
+from .attention import _runtime
 from .loss import causal_lm_loss
 from .semantics import _check_head_semantics, _hollow
-from .tracing import _Kind, _Runtime, _trace_model
+from .tracing import _Kind, _trace_model
 from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta
 
 __all__ = [
@@ -103,12 +104,13 @@ class HFEmbedding(nn.Module):
         self.embedding_path = anatomy.embedding
         self._recipe = anatomy.base_recipe
         self._pad_token_id = plan.pad_token_id
+        self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, input_ids: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = _unwrap(input_ids)
         pad = self._pad_token_id
         key_mask = torch.ones_like(ids) if pad is None else (ids != pad).long()
-        out = _Runtime(input_ids=ids, key_mask=key_mask).call(self.body, self._recipe)
+        out = _runtime(self._config, None, input_ids=ids, key_mask=key_mask).call(self.body, self._recipe)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden, key_mask
 
@@ -128,11 +130,13 @@ class HFDecoderBlock(nn.Module):
         self._rope_paths = plan.rope_paths(index)
         self.rotary = nn.ModuleList([plan.build(path) for path in self._rope_paths])
         self._recipe = plan.anatomy.block_recipes[index]
+        self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, key_mask = inputs[0], inputs[1]
         ropes = dict(zip(self._rope_paths, self.rotary, strict=True))
-        out = _Runtime(hidden=hidden, key_mask=key_mask, ropes=ropes).call(self.block, self._recipe)
+        runtime = _runtime(self._config, self._recipe, hidden=hidden, key_mask=key_mask, ropes=ropes)
+        out = runtime.call(self.block, self._recipe)
         return _hidden_of(out), key_mask
 
 
