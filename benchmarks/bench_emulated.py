@@ -40,6 +40,7 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
+from benchmarks.async_device import AsyncDevice, ReadyTable, TransferModel, default_table_path  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
 from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv  # noqa: E402
 from ds_vshape.runtime.memory import ActivationMeter  # noqa: E402
@@ -71,7 +72,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="run every case this many times (alternating order)")
     ap.add_argument("--out", type=Path, required=True, help="JSONL file rank 0 appends to")
     ap.add_argument("--profile", type=Path, default=None, help="cProfile the timed steps; one pstats file per case and rank here")
+    ap.add_argument("--device", choices=("sync", "async"), default="sync",
+                    help="sync: the host sleeps through each pass; async: passes go onto a device stream and the host runs ahead "
+                         "(benchmarks/async_device.py)")
+    ap.add_argument("--latency-us", type=float, default=10.0, help="async device: latency of one transfer (microseconds)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="async device: link bandwidth (GB/s, 1e9 bytes)")
     return ap.parse_args(argv)
+
+
+def start_async_device(args: argparse.Namespace, rank: int) -> ReadyTable:
+    """Attach this rank's device stream; the optimizer step becomes a stream synchronize.
+
+    The hook is global, so it catches DeepSpeed's optimizer, ds_vshape's (DeepSpeed's) and
+    our own torch SGD alike: each waits for the device before updating, as a GPU step must.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "") + "_" + os.environ.get("MASTER_PORT", "0")
+    table = ReadyTable(default_table_path(run_id))
+    transfer = TransferModel(latency_s=args.latency_us * 1e-6, bandwidth_bps=args.bandwidth_gbs * 1e9)
+    DEVICE.attach(AsyncDevice(rank, table, transfer))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(lambda *_: DEVICE.synchronize())
+    return table
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -317,6 +339,7 @@ def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: in
         if profiler is not None and i >= args.warmup:
             profiler.enable()
         runner.step()
+        DEVICE.synchronize()  # async device: the step is over when the device is (no-op when sync)
         if profiler is not None:
             profiler.disable()
         t_local = time.perf_counter() - t0  # this rank's own work in the step
@@ -396,9 +419,14 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, p = dist.get_rank(), dist.get_world_size()
     latency = hop_latency(rank, args.rows * args.dim)
+    table = start_async_device(args, rank) if args.device == "async" else None
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _append(args.out, {"kind": "latency", "p": p, **latency})
+        if table is not None:
+            hop = TransferModel(args.latency_us * 1e-6, args.bandwidth_gbs * 1e9).seconds(args.rows * args.dim * 4)
+            _append(args.out, {"kind": "device", "device": "async", "p": p, "latency_s": args.latency_us * 1e-6,
+                               "bandwidth_bps": args.bandwidth_gbs * 1e9, "hop_s": hop})
         print(f"[bench p={p}] one-hop latency: gloo {latency['gloo_send_recv_s'] * 1e3:.3f} ms, "
               f"ds_vshape P2P {latency['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {latency['barrier_s'] * 1e3:.3f} ms", flush=True)
     # Rounds run every case again, the second in reverse order, so that a burst of other
@@ -421,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if rank == 0:
             record = {"kind": "case", "system": system, "schedule": schedule, "p": p, "m": m, "t_pass_s": t_pass,
-                      "round": rnd, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+                      "round": rnd, "device": args.device, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
                       "layers_per_rank": args.layers_per_rank, "dim": args.dim, "rows": args.rows, "wall_s": time.perf_counter() - t0,
                       "ranks": gathered}
             _append(args.out, record)
@@ -431,9 +459,12 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
                 status = f"step {med:.3f} s"
-            print(f"[bench p={p} m={m} T={t_pass * 1e3:g}ms round {rnd}] {system:9s} {schedule:22s} {status}  ({record['wall_s']:.1f} s)",
+            tag = "async " if args.device == "async" else ""  # sync lines stay as ab.sh parses them
+            print(f"[bench {tag}p={p} m={m} T={t_pass * 1e3:g}ms round {rnd}] {system:9s} {schedule:22s} {status}  ({record['wall_s']:.1f} s)",
                   flush=True)
     dist.barrier()
+    if table is not None and rank == 0:
+        table.unlink()
 
 
 def _append(path: Path, obj: dict[str, Any]) -> None:

@@ -33,6 +33,14 @@ default ``w_memory``.
 
 ``DEVICE`` counts the time slept per kind (F, B, W) in this process, so a run can check
 that every system did the same emulated work per rank.
+
+Asynchronous mode (``DEVICE.attach(AsyncDevice(...))``, see ``async_device.py``): the same
+three places *enqueue* their pass on the rank's device stream instead of sleeping, and the
+host runs on. The layer then also marks what it hands on: its output (forward) and its
+input's gradient (backward) are published as ready when the stream gets there, and its
+input (forward) and output gradient (backward) are looked up, so a tensor that came from
+another rank makes the stream wait for its transfer. Without an attached device none of
+this runs and the sync mode is what it always was.
 """
 
 from __future__ import annotations
@@ -41,11 +49,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from benchmarks.async_device import AsyncDevice
 
 __all__ = ["DEVICE", "EmuLayer", "DeviceClock", "excluded_from_meter", "make_layers", "metered_loss"]
 
@@ -61,6 +72,24 @@ class DeviceClock:
         self.asked: dict[str, float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
         self.wake_late_s = 0.0002  # running estimate of how late time.sleep wakes up
+        self.async_device: AsyncDevice | None = None  # set: passes are enqueued, not slept
+
+    def attach(self, device: AsyncDevice | None) -> None:
+        """Run passes on ``device``'s stream from now on (None: back to sleeping on the host)."""
+        self.async_device = device
+
+    def produced(self, t: torch.Tensor) -> None:
+        if self.async_device is not None:
+            self.async_device.produced(t)
+
+    def consumed(self, t: torch.Tensor) -> None:
+        if self.async_device is not None:
+            self.async_device.consumed(t)
+
+    def synchronize(self) -> None:
+        """The host waits for the device (a no-op when the host itself did the passes)."""
+        if self.async_device is not None:
+            self.async_device.synchronize()
 
     def sleep(self, seconds: float, kind: str) -> None:
         """Take ``seconds`` of wall time, as a kernel would: no CPU while waiting.
@@ -70,6 +99,13 @@ class DeviceClock:
         and spins the last few hundred microseconds to the deadline.
         """
         if seconds <= 0:
+            return
+        if self.async_device is not None:
+            # The device runs the pass for exactly its time (it plans deadlines): count it as done.
+            self.async_device.run(seconds, kind)
+            self.slept[kind] += seconds
+            self.asked[kind] += seconds
+            self.count[kind] += 1
             return
         start = time.perf_counter()
         deadline = start + seconds
@@ -106,12 +142,33 @@ class _Pass(torch.autograd.Function):
         if extra_numel > 0:
             # Stands for the layer's other saved intermediates; freed when B has run.
             ctx.save_for_backward(torch.zeros(extra_numel, dtype=y.dtype, device=y.device))
-        return y.clone()
+        out = y.clone()
+        DEVICE.produced(out)  # the layer's output may be sent to the next rank
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        DEVICE.consumed(grad)  # an output gradient received from the next rank
         DEVICE.sleep(ctx.t_b, "B")
         return grad, None, None, None
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity on the layer input (async mode only): a received input waits for its transfer
+    on the device; the input's gradient, leaving B, is published for the previous rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        DEVICE.consumed(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Autograd runs a layer's weight-gradient nodes before this one (accumulate nodes
+        # first), so in a fused backward the ready time already includes W, as on a GPU
+        # where the send of this gradient waits for everything enqueued before it.
+        DEVICE.produced(grad)
+        return grad
 
 
 class _WeightPass(torch.autograd.Function):
@@ -145,6 +202,8 @@ class EmuLayer(nn.Module):
             self.fc.weight.register_hook(_w_hook(t_w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if DEVICE.async_device is not None:
+            x = _Boundary.apply(x)
         if self.mode == "linear":
             y = self.fc(x)  # ds_vshape swaps this module's forward for its split linear
         else:

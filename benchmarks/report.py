@@ -9,9 +9,9 @@ Simulator columns, per row:
 
 * ``sim_s``: ds_vshape's simulator on the schedule that ran, with the set pass times and the
   measured one-hop latency of plain gloo send/recv (what the issue asks for);
-* ``sim_lowered_s`` (ds_vshape): the same on the order the engine really executes. Its
-  lowering fuses a B directly followed by its own W into one pass, which sends the input
-  gradient only after W; for V-Half and V-Min that puts W on the critical path;
+* ``sim_lowered_s`` (ds_vshape, "sim as run"): the same on the order the engine really
+  executes (``as_lowered``: the per-rank orders of the engine's lowering, which fuses a B
+  directly followed by its own W into one pass unless B's input gradient leaves the rank);
 * ``sim_calibrated_s``: the executed order with the costs *measured* in this row (median
   instruction time per kind plus the pass's share of send/receive instruction time, the
   step tail, gloo hop latency). When ``sim_s`` misses and this one fits, the gap is
@@ -147,16 +147,19 @@ def best_rounds(cases: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[
 
 
 def as_lowered(sched: Schedule) -> Schedule:
-    """The order the engine really runs: its lowering fuses each B directly followed by its own W.
+    """The schedule with each rank's actions in the order the engine really runs them.
 
-    ``ds_vshape.schedules.lowering.merge_backward`` does this on every rank; the fused
-    pass sends the input gradient only after W, so the simulator sees the same delay.
+    The orders come from the engine's own lowering (``lowering._plan``, what ``lower``
+    turns into instructions): it fuses a B directly followed by its own W into one BW pass,
+    but not when B's input gradient goes to another rank, so those B's stay split and their
+    gradient is sent before W. Re-deriving the fusion here (as this column once did, fusing
+    every B) goes stale whenever the lowering changes.
     """
     from dataclasses import replace
 
-    from ds_vshape.schedules.lowering import merge_backward
+    from ds_vshape.schedules.lowering import _plan
 
-    return replace(sched, ranks=tuple(merge_backward(actions) for actions in sched.ranks))
+    return replace(sched, ranks=tuple(_plan(sched, True)[1]))
 
 
 def calibrated_makespan(sched: Schedule, passes: dict[str, float], ranks: list[dict[str, Any]], lat: dict[str, float]) -> float:

@@ -11,6 +11,10 @@
 # STEPS (3 timed steps per round), ROUNDS (2), SENS (1: a p=4, m=8 subset again with
 # T_PASS_LONG=0.06 s passes and with zero-time passes), P8 (1: run the p=8 subset), REAL (1:
 # run real compute), PHASE_TIMEOUT (900 s, per phase: a hang guard). Worker logs: benchmarks/results/raw/*.log.
+# ASYNC (0; 1: also run the p=4 subset on the asynchronous emulated device and write
+# results/emulated_async.{md,json}; ASYNC_LATENCY_US=10 and ASYNC_BANDWIDTH_GBS=25 set its transfers),
+# SYNC (1; 0: skip every sync phase and report.py, so the committed sync results stay as they are).
+# The async phase alone (about 4 minutes):  SYNC=0 ASYNC=1 bash benchmarks/run.sh
 # The machine should be otherwise idle: other load shows up as step time.
 set -euo pipefail
 
@@ -29,6 +33,10 @@ SENS=${SENS:-1}
 T_PASS_LONG=${T_PASS_LONG:-0.06}
 REAL=${REAL:-1}
 PHASE_TIMEOUT=${PHASE_TIMEOUT:-900}
+SYNC=${SYNC:-1}
+ASYNC=${ASYNC:-0}
+ASYNC_LATENCY_US=${ASYNC_LATENCY_US:-10}
+ASYNC_BANDWIDTH_GBS=${ASYNC_BANDWIDTH_GBS:-25}
 RAW=benchmarks/results/raw
 
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -36,11 +44,18 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export OMP_NUM_THREADS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-rm -rf "$RAW"
+if [[ $SYNC == 1 ]]; then
+    rm -rf "$RAW"
+else  # keep the sync run's raw lines (and its commit.txt) for report.py
+    rm -f "$RAW"/async_p*.jsonl "$RAW"/async_p*.log
+fi
 mkdir -p "$RAW"
-# The code measured: commit, and whether the runtime had uncommitted changes.
-{ git rev-parse --short HEAD 2>/dev/null || echo unknown
-  git status --porcelain -- ds_vshape 2>/dev/null | grep -q . && echo "dirty" || true; } >"$RAW/commit.txt"
+record_commit() {  # the code measured: commit, and whether the runtime had uncommitted changes
+    { git rev-parse --short HEAD 2>/dev/null || echo unknown
+      git status --porcelain -- ds_vshape 2>/dev/null | grep -q . && echo "dirty" || true; } >"$1"
+}
+if [[ $SYNC == 1 ]]; then record_commit "$RAW/commit.txt"; fi
+if [[ $ASYNC == 1 ]]; then record_commit "$RAW/async_commit.txt"; fi
 
 free_port() {
     "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -70,24 +85,40 @@ load=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)
 if awk "BEGIN{exit !($load > 2.0)}"; then
     echo "run.sh: warning: load average $load before the run; other work on the machine inflates step times" >&2
 fi
+if [[ $SYNC == 1 ]]; then
 phase emulated_p4 4 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
     --t-pass "$T_PASS" --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS" --micro-batches 16 8 --out "$RAW/emulated_p4.jsonl"
-if [[ $SENS == 1 ]]; then
+fi
+if [[ $SYNC == 1 && $SENS == 1 ]]; then
     # The same work with 3x longer passes, and on a zero-time device (pure host cost per step).
     phase emulated_p4_sensitivity 4 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
         --schedules 1f1b zb-h2 v-zb v-half v-min zbvzerobubble \
         --t-pass "$T_PASS_LONG" 0 --warmup 1 --steps 3 --rounds 1 --micro-batches 8 --out "$RAW/emulated_p4_sensitivity.jsonl"
 fi
-if [[ $P8 == 1 ]]; then
+if [[ $SYNC == 1 && $P8 == 1 ]]; then
     phase emulated_p8 8 benchmarks/bench_emulated.py --systems deepspeed ds_vshape torch \
         --schedules 1f1b zb-h2 v-zb v-half v-min zbvzerobubble \
         --t-pass "$T_PASS" --warmup 1 --steps 3 --rounds 1 --micro-batches 16 --out "$RAW/emulated_p8.jsonl"
 fi
-if [[ $REAL == 1 ]]; then
+if [[ $SYNC == 1 && $REAL == 1 ]]; then
     phase real 2 benchmarks/bench_real.py --warmup 1 --steps 4 --out "$RAW/real_p2.jsonl"
 fi
-echo
-"$PYTHON" benchmarks/report.py
-echo
-echo "results: benchmarks/results/{emulated.json,emulated.md,emulated.png,real.json,real.md,machine.json}"
+if [[ $ASYNC == 1 ]]; then
+    # The host enqueues passes on a device stream and runs ahead (benchmarks/async_device.py).
+    phase async_p4 4 benchmarks/bench_emulated.py --device async --latency-us "$ASYNC_LATENCY_US" \
+        --bandwidth-gbs "$ASYNC_BANDWIDTH_GBS" --systems deepspeed ds_vshape torch \
+        --schedules 1f1b zb-h2 v-zb v-half zbvzerobubble \
+        --t-pass "$T_PASS" --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS" --micro-batches 16 8 --out "$RAW/async_p4.jsonl"
+fi
+if [[ $SYNC == 1 ]]; then
+    echo
+    "$PYTHON" benchmarks/report.py
+    echo
+    echo "results: benchmarks/results/{emulated.json,emulated.md,emulated.png,real.json,real.md,machine.json}"
+fi
+if [[ $ASYNC == 1 ]]; then
+    echo
+    "$PYTHON" benchmarks/report_async.py
+    echo "results: benchmarks/results/{emulated_async.json,emulated_async.md}"
+fi
 echo "wall time: $((SECONDS - start)) s"

@@ -1,15 +1,22 @@
 """The benchmark's emulated layer: right gradients in every backward path, work in the right pass.
 
 No timing assertions: the sleeps are set to zero where only gradients matter, and where
-the pass matters the test checks *which* pass slept (counts), never how long.
+the pass matters the test checks *which* pass slept (counts), never how long. The
+asynchronous device's tests check order (which pass ran first, whether the host got
+back before a pass ended) and the planned times, which are arithmetic, not measured.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from benchmarks.async_device import AsyncDevice, DeviceStream, ReadyTable, TransferModel, tensor_key
 from benchmarks.emulated import DEVICE, EmuLayer, make_layers
 from ds_vshape.runtime.memory import ActivationMeter
 from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
@@ -108,3 +115,115 @@ def test_split_backward_parks_half_of_the_saved_activation() -> None:
     with store.deferring("u"):
         out.backward(torch.randn_like(out))  # a real output gradient, as the engine receives one
     assert store.parked_bytes / saved == pytest.approx(0.5)
+
+
+# ---- asynchronous device -----------------------------------------------------------------------
+# Ordering assertions only (which pass ran first, whether the host got back before a pass
+# ended): no assertion on how long anything took.
+
+@pytest.fixture
+def stream() -> Iterator[DeviceStream]:
+    s = DeviceStream()
+    yield s
+    s.close()
+
+
+def test_stream_runs_passes_in_order(stream: DeviceStream) -> None:
+    passes = [stream.enqueue(t, k) for t, k in ((0.005, "F"), (0.001, "B"), (0.003, "W"))]
+    stream.synchronize()
+    done = [p for p in stream.history if p.kind != "sync"]
+    assert [p.kind for p in done] == ["F", "B", "W"]
+    for before, after in zip(passes, passes[1:]):
+        assert after.start >= before.end  # one pass at a time, in enqueue order
+        assert after.finished_at >= before.finished_at  # type: ignore[operator]
+    assert all(p.finished_at >= p.end for p in passes)  # type: ignore[operator]
+
+
+def test_host_runs_ahead_and_synchronize_waits(stream: DeviceStream) -> None:
+    long = stream.enqueue(0.3, "F")
+    assert not long.done.is_set()  # enqueue returned while the pass is still running
+    stream.synchronize()
+    assert long.done.is_set()
+    assert time.perf_counter() >= long.end
+
+
+def test_transfer_time_model() -> None:
+    model = TransferModel(latency_s=10e-6, bandwidth_bps=25e9)
+    assert model.seconds(0) == pytest.approx(10e-6)
+    assert model.seconds(25_000) == pytest.approx(10e-6 + 1e-6)
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Iterator[tuple[AsyncDevice, AsyncDevice]]:
+    """Two ranks' devices sharing one ready table, as two processes share the file."""
+    path = tmp_path / "table"
+    a = AsyncDevice(0, ReadyTable(path), TransferModel(1e-3, 1e6))
+    b = AsyncDevice(1, ReadyTable(path), TransferModel(1e-3, 1e6))
+    yield a, b
+    a.stream.close()
+    b.stream.close()
+
+
+def test_received_tensor_waits_for_producer_and_transfer(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:
+    a, b = two_ranks
+    t = torch.randn(ROWS, DIM)
+    a.run(0.2, "F")
+    a.produced(t)  # sent right after F: ready when F ends, not when the host sent it
+    ready = a.stream.tail_end
+    b.consumed(t.clone())  # the same bytes, on the other rank
+    nxt = b.run(0.001, "F")
+    assert nxt.start == pytest.approx(ready + 1e-3 + t.numel() * 4 / 1e6)
+    a.consumed(t)  # a rank's own tensor: stream order already covers it, no transfer
+    assert a.run(0.001, "B").start == pytest.approx(ready)
+
+
+def test_unknown_tensor_does_not_wait(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:
+    _, b = two_ranks
+    b.consumed(torch.randn(ROWS, DIM))
+    t0 = time.perf_counter()
+    assert b.run(0.001, "F").start <= time.perf_counter() and b.run(0.0, "F").start >= t0
+
+
+def test_ready_table_key_is_the_bytes() -> None:
+    x = torch.randn(ROWS, DIM)
+    assert tensor_key(x) == tensor_key(x.clone().requires_grad_(True))
+    assert tensor_key(x) != tensor_key(x + 1)
+
+
+@pytest.fixture
+def async_device(tmp_path: Path) -> Iterator[AsyncDevice]:
+    dev = AsyncDevice(0, ReadyTable(tmp_path / "table"))
+    DEVICE.attach(dev)
+    yield dev
+    DEVICE.attach(None)
+    dev.stream.close()
+
+
+@pytest.mark.parametrize("mode", ["linear", "graph"])
+def test_async_layers_keep_gradients_and_enqueue_every_pass(mode: str, async_device: AsyncDevice) -> None:
+    layers = make_layers(2, DIM, 1e-3, 1e-3, 1e-3, mode=mode, seed=6)
+    model, ref = nn.Sequential(*layers), _reference(layers)
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    DEVICE.reset()
+    model(x).pow(2).sum().backward()
+    async_device.synchronize()
+    assert dict(DEVICE.count) == {"F": 2, "B": 2, "W": 2}
+    ref(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+
+
+def test_fused_backward_publishes_input_grad_after_its_w(async_device: AsyncDevice) -> None:
+    """A fused backward sends the stage's input gradient after the whole backward: its ready
+    time must include the W passes, as a GPU send waits for all work enqueued before it."""
+    model = nn.Sequential(*make_layers(2, DIM, 1e-3, 1e-3, 1e-3, mode="linear", seed=7))
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    model(x).sum().backward()
+    last = async_device.stream.tail_end
+    async_device.synchronize()
+    kinds = [p.kind for p in async_device.stream.history if p.kind != "sync"]
+    assert kinds[-2:] == ["B", "W"]  # the first layer's B, then its W
+    hit = async_device.table.lookup(tensor_key(x.grad))
+    assert hit is not None and hit[1] == pytest.approx(last)
