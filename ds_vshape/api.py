@@ -8,6 +8,7 @@ can fail runs before the engine is built, so bad input is an error, never a hang
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import deepspeed
@@ -22,14 +23,9 @@ from .runtime.engine import VShapeEngine
 from .runtime.carry import carry_weights
 from .runtime.module import PipelineModule, from_deepspeed_module, stock_partition_method
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
-from .schedules import get_info
+from .schedules import Schedule, get_info
 
 __all__ = ["initialize"]
-
-# ZeRO-2/3 shard gradients inside backward hooks, which split backward and the pipeline's own
-# reduce step do not drive yet; breadth-first is the schedule meant to lift this.
-_RUNTIME_ZERO_STAGES = (0, 1)
-
 
 def initialize(
     args: Any = None,
@@ -52,14 +48,18 @@ def initialize(
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
     _init_distributed(kwargs)
-    module = _prepare_module(model, vs, config_dict)
+    module, schedule = _prepare_module(model, vs, config_dict)
     if module is not model:
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
+    # The schedule is made here, once; the engine gets it, and the same generator for batch
+    # ramp-up, but never the config itself.
     engine = VShapeEngine(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
-        collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config, vs_config=vs,
+        collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
+        schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
+        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -103,15 +103,16 @@ def _init_distributed(kwargs: dict[str, Any]) -> None:
     )
 
 
-def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[str, Any]) -> PipelineModule:
-    """Check everything that could later hang, then re-place the layers for the schedule."""
+def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[str, Any]) -> tuple[PipelineModule, Schedule]:
+    """Check everything that could later hang, make the schedule, re-place the layers for it."""
     p = model.num_stages
     micro_batches = _micro_batches(config, model)
     zero = int(config.get("zero_optimization", {}).get("stage", 0))
     info = get_info(vs.schedule)  # type: ignore[arg-type]
-    if zero not in _RUNTIME_ZERO_STAGES:
-        allowed = ", ".join(str(z) for z in _RUNTIME_ZERO_STAGES)
-        raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: the engine runs ZeRO stages {allowed} with every schedule; set zero_optimization.stage to 0 or 1")
+    if zero not in info.zero_stages:  # the registry says which ZeRO stages a schedule runs with
+        allowed = ", ".join(str(z) for z in info.zero_stages)
+        raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: it runs with ZeRO "
+                          f"stages {allowed}; set zero_optimization.stage to one of them")
     if (config.get("torch_autocast") or {}).get("enabled"):
         # DeepSpeed enters autocast in DeepSpeedEngine.forward, which our stage forwards bypass:
         # the key would be silently ignored, so refuse it.
@@ -138,15 +139,25 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method)
     if module is not model:
         carry_weights(model, module)  # the stock module's weights, also those held by another rank
-    return module
+    return module, schedule
+
+
+class _DataParallel:
+    """Just enough of an mpu for ``DeepSpeedConfig`` to resolve the batch keys before the grid exists."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._size
 
 
 def _micro_batches(config: dict[str, Any], model: DSPipelineModule) -> int:
-    gas = config.get("gradient_accumulation_steps")
-    if gas is not None:
-        return int(gas)
+    """Micro-batches per step, resolved by DeepSpeed's own rules from any one or two of
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps."""
     dp = ds_dist.get_world_size() // model.num_stages
-    train, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
-    if train is None or micro is None:
-        raise ConfigError("set gradient_accumulation_steps (the number of micro-batches per step) in the config")
-    return int(train) // (int(micro) * dp)
+    try:
+        resolved = DeepSpeedConfig(json.loads(json.dumps(config)), mpu=_DataParallel(dp))
+    except AssertionError as err:
+        raise ConfigError(f"the batch keys do not fit {dp} data-parallel replicas x {model.num_stages} pipeline ranks: {err}") from None
+    return int(resolved.gradient_accumulation_steps)

@@ -271,7 +271,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    headers = ["schedule", "v", "options", "aliases", "summary"]
+    headers = ["schedule", "v", "options", "zero", "aliases", "summary"]
     cells = [_list_cells(get_info(name)) for name in schedule_names()]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
     for line in [headers, ["-" * w for w in widths]] + cells:
@@ -288,4 +288,5 @@ def _list_cells(info: GeneratorInfo) -> list[str]:
         ("costs", info.uses_costs),
     ]
     options = ", ".join(flag for flag, on in flags if on) or "-"
-    return [info.name, chunks, options, ", ".join(info.aliases) or "-", info.summary]
+    zero = ",".join(str(z) for z in info.zero_stages)
+    return [info.name, chunks, options, zero, ", ".join(info.aliases) or "-", info.summary]

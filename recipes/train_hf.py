@@ -308,7 +308,7 @@ def setup(args: argparse.Namespace) -> Job:
         engine.measure_memory = True  # the recipe reports every step's peak (costs some host time)
     name, schedule = schedule_of(engine)
     # Predict with the same share of activation held until W that the schedule was planned for.
-    kept = getattr(getattr(engine, "vs_config", None), "w_memory", 0.0)
+    kept = parse_pipeline_config(read_config(args)).w_memory
     sim = simulate(schedule, kept_until_w=kept)
     summary = RunSummary(schedule=name, ranks=world, micro_batches=engine.micro_batches, model=args.model,
                          sim_bubble_rate=sim.bubble_rate, sim_peak_memory=list(sim.peak_memory),

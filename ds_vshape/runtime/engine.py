@@ -9,17 +9,20 @@ neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's outp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Schedule
 from ..schedules.lowering import programs
 from ..schedules.p2p_check import check_transfers
+from . import checkpoint as ckpt
 from . import instructions as ins
 from .comm import ACT, GRAD, P2P, Recv
 from .memory import ActivationMeter
@@ -35,7 +38,11 @@ Unit = tuple[int, int, int]
 class VShapeEngine(PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
-    def __init__(self, *args: Any, vs_config: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
+                 measure_memory: bool = False, **kwargs: Any) -> None:
+        """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
+        ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
+        ramp-up through ``set_train_batch_size``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -43,31 +50,52 @@ class VShapeEngine(PipelineEngine):
         self._vs_placement = tuple(kwargs["model"].placement)
         if self.training_data is not None:
             self._build_data_iter(self.training_data)  # again: first/last rank changed meaning
-        self.vs_config = vs_config
-        self.schedule: Schedule = vs_config.make_schedule(self.num_stages, self.micro_batches)
-        if self.schedule.stage_to_rank != self._vs_placement:
-            raise ValueError(f"module placement {self._vs_placement} does not match schedule placement {self.schedule.stage_to_rank}")
+        self._make_schedule = make_schedule
+        self._check_schedule(schedule)
+        self.schedule: Schedule = schedule
         self.num_model_stages = self.schedule.num_model_stages
         self._store = WeightGradStore()
         if self.schedule.uses_split_backward:
-            enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store)
+            enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
+                                  root=self.module)
         self._meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
         # Saved-tensor hooks and transfer accounting cost host time: on only when asked (the
         # config, or this attribute) and on the steps that log memory.
-        self.measure_memory: bool = vs_config.measure_memory
+        self.measure_memory: bool = measure_memory
         self._measuring = False
         self.peak_activation_bytes: int | None = None  # None until a step measured it
         self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
         self.peak_inflight_bytes = 0
         self._p2p = P2P(
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
-            device=self.device, timeout_s=vs_config.p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
+            device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
-        # Every rank checks the whole pipeline's transfers under NCCL's rules before the first
-        # step: a wrong order fails here with names instead of hanging on the GPUs.
-        check_transfers(programs(self.schedule))
         self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
         self._reset_step_state()
+
+    def _check_schedule(self, schedule: Schedule) -> None:
+        """Refuse a schedule this engine cannot run, before any transfer is posted."""
+        if schedule.stage_to_rank != self._vs_placement:
+            raise ValueError(f"module placement {self._vs_placement} does not match schedule placement {schedule.stage_to_rank}")
+        if schedule.micro_batches != self.micro_batches:
+            raise ValueError(f"schedule {schedule.name!r} was made for {schedule.micro_batches} micro-batches, but DeepSpeed "
+                             f"resolved gradient_accumulation_steps={self.micro_batches}")
+        # Every rank checks the whole pipeline's transfers under NCCL's rules before a step
+        # runs: a wrong order fails here with names instead of hanging on the GPUs.
+        check_transfers(programs(schedule))
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's batch ramp-up: a new number of micro-batches, and the schedule made for it."""
+        old = self.train_batch_size()
+        super().set_train_batch_size(train_batch_size)
+        try:
+            schedule = self._make_schedule(self.micro_batches)
+            self._check_schedule(schedule)
+        except ValueError as err:
+            super().set_train_batch_size(old)  # keep what the current schedule was made for
+            raise ValueError(f"set_train_batch_size({train_batch_size}): {err}; the train batch size stays {old}") from None
+        self.schedule = schedule
+        self._train_ir = ins.IRSchedule(schedule, self.stage_id)
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------
     def is_first_stage(self) -> bool:
@@ -147,6 +175,11 @@ class VShapeEngine(PipelineEngine):
         split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
         with self._meter.recording() if self._measuring else nullcontext(), split:
             outputs = self.module.forward_stage(stage, inputs)
+        if not self.module.training:
+            # DeepSpeed's contiguous activation checkpointing fills a fixed pool per forward and
+            # frees it in backward; evaluation has none, so reset it after each pass, as
+            # DeepSpeed's own engine does (else the pool overflows on one rank, the rest wait).
+            ds_checkpointing.reset()
         if stage == self.num_model_stages - 1:
             outputs = self._record_loss(outputs, self._labels.pop(micro_batch, None))
         else:
@@ -214,7 +247,12 @@ class VShapeEngine(PipelineEngine):
         self._after_grads()
 
     def _exec_fused_backward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
-        self._backward(stage, micro_batch, seq_chunk, buffer_id)
+        # Under a split schedule the forward went through split_ops: a checkpointed block's
+        # re-run must too, or it would save other tensors than the forward did.
+        unit = (stage, micro_batch, seq_chunk)
+        fused = self._store.backward_of(unit, defer=False) if self.schedule.uses_split_backward else nullcontext()
+        with fused:
+            self._backward(stage, micro_batch, seq_chunk, buffer_id)
 
     def _backward(self, stage: int, micro_batch: int, seq_chunk: int, buffer_id: int) -> None:
         inputs, outputs = self._saved.pop(buffer_id)
@@ -269,6 +307,20 @@ class VShapeEngine(PipelineEngine):
             # All W ran before the step; drop anything parked anyway so the next step starts clean.
             self._store.clear()
             self._meter.set_extra(self._store.parked_bytes)
+
+    # ---- checkpoints: optimizer state by global layer and name (see runtime/checkpoint.py) ----
+    def _save_checkpoint(self, save_dir: str, tag: Any, client_state: Any = None, exclude_frozen_parameters: bool = False) -> None:
+        super()._save_checkpoint(save_dir, tag, client_state=client_state or {}, exclude_frozen_parameters=exclude_frozen_parameters)
+        ckpt.save(self, save_dir, tag)
+
+    # DeepSpeed's signature, positional arguments included: callers of deepspeed's engine call it so.
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Any, Any]:
+        """DeepSpeed's load; optimizer state saved under another schedule or p is mapped by layer, or refused."""
+        return ckpt.load(self, super().load_checkpoint, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                         load_module_only=load_module_only, load_module_strict=load_module_strict,
+                         load_lr_scheduler_states=load_lr_scheduler_states, custom_load_fn=custom_load_fn)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

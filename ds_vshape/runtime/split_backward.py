@@ -1,43 +1,81 @@
-"""Split backward: B computes input gradients now, W computes weight gradients later.
+"""Split backward: B computes input gradients now, W computes every weight gradient later.
 
-Linear layers carry almost all of a transformer's weight-gradient FLOPs, so their dW GEMM
-is what is worth delaying. While a unit's B runs, each linear layer computes only its input
-gradient and parks (input, output-gradient) in the store under the unit's key; the unit's W
-then runs the parked GEMMs. Every other parametered module (norms, embeddings, biases of
-custom layers) gets its gradient during B from ordinary autograd: exact, just not delayed.
+While a unit's forward runs (``forward_of``), every operation that consumes a trainable
+parameter of the stage goes through an autograd function of ``split_ops`` (routing:
+``split_mode``). In the unit's B (``deferring``) those functions compute only input
+gradients and park, per unit, what the parameter gradients need: the GEMMs' input and output
+gradient, or for other operations (norms, embeddings, custom parameters) the small re-run
+graph of that one operation and its output gradient. The unit's W (``run``) turns the parked
+work into ``.grad``. Nothing else of the stage's graph outlives B.
 
-W accumulates through ``Tensor.backward`` on the leaf, so DeepSpeed's post-accumulate
-hooks (bf16 optimizer, ZeRO) see the gradient exactly as if autograd had produced it.
+W accumulates through ``torch.autograd.backward`` on the parameter, so DeepSpeed's
+post-accumulate hooks and the bf16 optimizer see the gradient as if autograd had produced it.
+A parameter whose gradient still lands during B (used in place, say) is exact but not
+deferred: a warning names its module, once.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Hashable
 from contextlib import contextmanager
-from types import MethodType
-from typing import Any, Iterator
+from functools import wraps
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeightGradStore", "enable_split_backward"]
+from .split_mode import DeferMode, RoutedCall, routing
+from .split_ops import ParkedWork
+
+__all__ = ["SplitBackwardWarning", "WeightGradStore", "enable_split_backward"]
+
+
+class SplitBackwardWarning(UserWarning):
+    """A parameter's gradient was computed in B instead of W (exact, but not delayed)."""
 
 
 class WeightGradStore:
     """Parked weight-gradient work, keyed by unit (stage, micro-batch, chunk)."""
 
     def __init__(self) -> None:
-        self._current: Hashable | None = None  # unit whose forward is running
+        self._current: Hashable | None = None  # unit whose forward (or backward) is running
         self._deferring: set[Hashable] = set()
-        self._parked: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._suspended = 0
+        self._parked: dict[Hashable, list[ParkedWork]] = defaultdict(list)
         self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
+        self._param_ids: set[int] = set()
+        self._param_ptrs: set[int] = set()  # parameter storages: never counted as parked
+        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._warned: set[str] = set()
         self.parked_bytes = 0
 
+    # ---- contexts the engine opens --------------------------------------------------------------
     @contextmanager
     def forward_of(self, key: Hashable) -> Iterator[None]:
-        """Tag the linear layers run inside with ``key``."""
+        """Route the parameter-consuming operations run inside through split backward, for ``key``."""
+        with self._unit(key), DeferMode(self):
+            yield
+
+    @contextmanager
+    def backward_of(self, key: Hashable, *, defer: bool) -> Iterator[None]:
+        """``key``'s backward: B when ``defer``, else fused. A checkpointed forward re-run inside is routed too."""
+        if defer:
+            self._deferring.add(key)
+        try:
+            with self._unit(key), DeferMode(self):
+                yield
+        finally:
+            self._deferring.discard(key)
+
+    def deferring(self, key: Hashable) -> Any:
+        """``key``'s B: parameter gradients are parked for ``run(key)``."""
+        return self.backward_of(key, defer=True)
+
+    @contextmanager
+    def _unit(self, key: Hashable) -> Iterator[None]:
         previous, self._current = self._current, key
         try:
             yield
@@ -45,23 +83,46 @@ class WeightGradStore:
             self._current = previous
 
     @contextmanager
-    def deferring(self, key: Hashable) -> Iterator[None]:
-        """Inside, the backward of ``key``'s linear layers parks its weight GEMMs."""
-        self._deferring.add(key)
+    def suspended(self) -> Iterator[None]:
+        """Operations run inside are not routed (split_ops re-running one operation)."""
+        self._suspended += 1
         try:
             yield
         finally:
-            self._deferring.discard(key)
+            self._suspended -= 1
 
-    def park(self, key: Hashable, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self._parked[key].append((module, x, grad_out))
-        for t in (x, grad_out):
+    # ---- what the routing asks -------------------------------------------------------------------
+    @property
+    def current(self) -> Hashable | None:
+        return self._current
+
+    @property
+    def is_suspended(self) -> bool:
+        return self._suspended > 0
+
+    def is_deferring(self, key: Hashable) -> bool:
+        return key in self._deferring
+
+    def is_param_like(self, t: torch.Tensor) -> bool:
+        return t.requires_grad and (id(t) in self._param_ids or t in self._derived)
+
+    def mark_param_like(self, out: Any) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self._derived[t] = True
+
+    # ---- parked work -------------------------------------------------------------------------------
+    def park(self, key: Hashable, work: ParkedWork) -> None:
+        self._parked[key].append(work)
+        for t in work.held:
             self._hold(t, +1)
 
     def _hold(self, t: torch.Tensor, delta: int) -> None:
-        """Count each parked storage once, however many layers park it."""
+        """Count each parked storage once, however many operations park it."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if ptr in self._param_ptrs:
+            return
         before = self._refs.get(ptr, 0)
         after = before + delta
         if before == 0:
@@ -72,14 +133,11 @@ class WeightGradStore:
         else:
             self._refs[ptr] = after
 
-    def is_deferring(self, key: Hashable) -> bool:
-        return key in self._deferring
-
     def run(self, key: Hashable) -> None:
-        """The W pass of ``key``: every parked weight GEMM, accumulated into ``.grad``."""
-        for module, x, grad_out in self._parked.pop(key, []):
-            _accumulate_weight_grads(module, x, grad_out)
-            for t in (x, grad_out):
+        """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
+        for work in self._parked.pop(key, []):
+            work.run()
+            for t in work.held:
                 self._hold(t, -1)
 
     def pending(self) -> list[Hashable]:
@@ -91,60 +149,80 @@ class WeightGradStore:
         self._refs.clear()
         self.parked_bytes = 0
 
-    @property
-    def current(self) -> Hashable | None:
-        return self._current
+    # ---- setup --------------------------------------------------------------------------------------
+    def adopt(self, param: nn.Parameter, owner: str) -> None:
+        """Route ``param``'s gradient through W; ``owner`` names its module in the warning."""
+        self._param_ids.add(id(param))
+        self._param_ptrs.add(param.untyped_storage().data_ptr())
+        if param.requires_grad:  # a frozen one parks nothing and cannot take the hook
+            # Autograd calls it with None where B returned None for the parameter: only a real one counts.
+            param.register_hook(lambda grad: None if grad is None else self._accumulated_in_b(owner))
+
+    def _accumulated_in_b(self, owner: str) -> None:  # returns None: the gradient is left as it is
+        if self._deferring and not self.is_suspended and owner not in self._warned:
+            self._warned.add(owner)
+            warnings.warn(f"ds_vshape split backward: the weight gradient of {owner} was computed in B, not deferred "
+                          "to W (exact, but the zero-bubble gain is lost for it): a parameter used in place, or "
+                          "outside the stage's forward", SplitBackwardWarning, stacklevel=2)
 
 
-def _accumulate_weight_grads(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-    x2 = x.reshape(-1, x.shape[-1])
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    leaves, grads = [], []
-    if module.weight.requires_grad:
-        leaves.append(module.weight)
-        grads.append(g2.t().matmul(x2).to(module.weight.dtype))
-    if module.bias is not None and module.bias.requires_grad:
-        leaves.append(module.bias)
-        grads.append(g2.sum(0).to(module.bias.dtype))
-    if leaves:
-        torch.autograd.backward(leaves, grads)
+def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None) -> int:
+    """Defer to W the gradient of every trainable parameter inside ``modules``; returns how many
+    modules own such parameters. ``root`` (the whole model) names modules by their path in it.
 
-
-class _SplitLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Linear, store: WeightGradStore) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.module, ctx.store, ctx.key = module, store, store.current
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
-        if ctx.key is not None and ctx.store.is_deferring(ctx.key):
-            ctx.store.park(ctx.key, ctx.module, x.detach(), grad_out.detach())
-            return grad_x, None, None, None, None
-        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_w = g2.t().matmul(x2) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
-
-
-def _split_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    store: WeightGradStore = self._ds_vshape_store  # type: ignore[attr-defined]
-    if store.current is None or not torch.is_grad_enabled():
-        return F.linear(x, self.weight, self.bias)
-    return _SplitLinear.apply(x, self.weight, self.bias, self, store)
-
-
-def enable_split_backward(modules: list[nn.Module], store: WeightGradStore) -> int:
-    """Route every ``nn.Linear`` inside ``modules`` through the store; returns how many."""
+    A parameter frozen now (``requires_grad=False``) parks nothing as long as it stays frozen.
+    """
+    paths = {id(m): name for name, m in root.named_modules()} if root is not None else {}
     count = 0
-    for root in modules:
-        for mod in root.modules():
-            if type(mod) is nn.Linear and not hasattr(mod, "_ds_vshape_store"):
-                mod._ds_vshape_store = store  # type: ignore[attr-defined]
-                mod.forward = MethodType(_split_linear_forward, mod)  # type: ignore[method-assign]
-                count += 1
+    seen: set[int] = set()
+    for index, top in enumerate(modules):
+        for name, mod in top.named_modules():
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            _route_forward(mod, store)
+            own = list(mod.parameters(recurse=False))
+            path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
+            for param in own:
+                if id(param) not in store._param_ids:
+                    store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})")
+            count += bool(own)
+    if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
+        root.activation_checkpoint_func = _routed_checkpoint(root.activation_checkpoint_func, store)
     return count
+
+
+def _route_forward(mod: nn.Module, store: WeightGradStore) -> None:
+    """The module's forward enters the routing itself: also when a checkpoint re-runs it in B.
+
+    Hooks rather than a patched ``forward``: a deep copy of the module stays a module of its own.
+    """
+    if getattr(mod, "_ds_vshape_store", None) is not None:
+        return
+    entered: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = routing(store)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    mod._ds_vshape_store = store  # type: ignore[assignment]
+    mod.register_forward_pre_hook(enter)
+    mod.register_forward_hook(leave, always_call=True)  # also when the forward raises
+
+
+def _routed_checkpoint(checkpoint_func: Callable[..., Any], store: WeightGradStore) -> Callable[..., Any]:
+    """DeepSpeed's checkpoint function, re-running the checkpointed block (functions included) routed."""
+    if getattr(checkpoint_func, "_ds_vshape_routed", False):
+        return checkpoint_func
+
+    @wraps(checkpoint_func)
+    def routed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_func(RoutedCall(function, store), *args, **kwargs)
+
+    routed._ds_vshape_routed = True  # type: ignore[attr-defined]
+    return routed

@@ -21,6 +21,8 @@ class GeneratorInfo:
 
     ``fixed_chunks``: model stages per rank the schedule always uses (1 linear, 2 V), or None
     when the user picks v (``chunks``, default 2). ``min_micro_batches(p, v, k)``: the smallest m.
+    ``zero_stages``: the ZeRO stages the engine runs this schedule with; ``initialize`` refuses
+    others and ``ds-vshape list`` shows them (the one place this rule lives).
     ``seq_chunks``: the schedule accepts k > 1 sequence chunks per micro-batch; this flag is
     the one place that says so (config, CLI and ``generate`` all read it).
     ``default_seq_chunks``: the k used when none is asked for (1 unless the schedule's name

@@ -14,7 +14,7 @@ import pytest
 from ds_vshape.schedules import Costs, generate, get_info, schedule_names, simulate
 
 from .launch import launch
-from .worker import kept_fraction
+from .worker import WideBlock, kept_fraction
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -43,7 +43,11 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
         {"name": "tied-1f1b", "schedule": "1f1b", "p": 2, "m": 2, "tied": True, "layers": 6},
         {"name": "tied-v-half", "schedule": "v-half", "p": 2, "m": 4, "tied": True, "layers": 6},
         {"name": "eval-v-half", "schedule": "v-half", "p": 2, "m": 4, "eval": True},
-        {"name": "ckpt-interval-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1},
+        {"name": "ckpt-interval-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1, "bw_trace": True},
+        {"name": "ckpt-nonreentrant-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1, "bw_trace": True,
+         "pipeline": {"use_reentrant": False}},
+        {"name": "bw-trace-tied-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "tied": True, "layers": 6, "bw_trace": True},
+        {"name": "bw-trace-tied-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "tied": True, "layers": 6, "bw_trace": True},
         {"name": "ckpt-interval-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "ckpt": 1, "layerspec": True},
         {"name": "layerspec-v-min", "schedule": "v-min", "p": 2, "m": 4, "layerspec": True},
         {"name": "zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
@@ -61,11 +65,11 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
     ]
 
 
-KEPT = kept_fraction()
+KEPT = kept_fraction(block=WideBlock)
 
 
 def _extra_cases_p4() -> list[dict[str, Any]]:
-    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0, "pipeline": {"w_memory": KEPT, "measure_memory": True}}
+    mem = {"layers": 8, "m": 8, "p": 4, "steps": 1, "clip": 0.0, "wide": True, "pipeline": {"w_memory": KEPT, "measure_memory": True}}
     return [
         {"name": "pp2xdp2-zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
         {"name": "pp2xdp2-zero0-zb-h2", "schedule": "zb-h2", "p": 2, "m": 4},
@@ -111,7 +115,7 @@ def test_parity_p4(results_p4: dict, case: str) -> None:
     _assert_parity(case, results_p4[case])
 
 
-@pytest.mark.parametrize("case", ["tied-1f1b", "tied-v-half", "ckpt-interval-zb-h1", "ckpt-interval-v-zb",
+@pytest.mark.parametrize("case", ["tied-1f1b", "tied-v-half", "ckpt-interval-zb-h1", "ckpt-interval-v-zb", "ckpt-nonreentrant-zb-h1",
                                   "layerspec-v-min", "zero1-v-half", "shape-per-step-v-zb", "shape-dynamic-v-half"])
 def test_features_p2(results_p2: dict, case: str) -> None:
     _assert_parity(case, results_p2[case])
@@ -120,6 +124,18 @@ def test_features_p2(results_p2: dict, case: str) -> None:
 @pytest.mark.parametrize("case", ["pp2xdp2-zero1-v-half", "pp2xdp2-zero0-zb-h2", "clip-zero0-1f1b", "clip-zero1-1f1b", "tied-v-zb-p4"])
 def test_features_p4(results_p4: dict, case: str) -> None:
     _assert_parity(case, results_p4[case])
+
+
+@pytest.mark.parametrize("case", ["bw-trace-tied-zb-h1", "bw-trace-tied-v-zb", "ckpt-interval-zb-h1", "ckpt-nonreentrant-zb-h1"])
+def test_weight_gradients_land_at_w_not_at_b(results_p2: dict, case: str) -> None:
+    """Every trainable parameter (Linear, LayerNorm, the embedding and its tied head) waits for W."""
+    _assert_parity(case, results_p2[case])
+    # The first stage has no input gradient to compute: zb-h1 gives it fused backwards.
+    assert {e[0] for res in results_p2[case] for e in res["bw_trace"]} == {"B", "W"}
+    for rank, res in enumerate(results_p2[case]):
+        for kind, stage, micro_batch, changed, total in res["bw_trace"]:
+            want = 0 if kind == "B" else total
+            assert total > 0 and changed == want, f"{case} rank {rank}: {kind} of stage {stage} micro-batch {micro_batch} changed {changed}/{total} grads"
 
 
 def test_transfers_carry_shapes_once_per_step_in_the_pair_order(results_p2: dict) -> None:

@@ -46,6 +46,17 @@ class Block(nn.Module):
         return torch.tanh(self.norm(self.fc(x))) + x
 
 
+class WideBlock(Block):
+    """Block with more intermediates per parameter, as real layers have (the memory cases): split
+    backward keeps each parametered op's input and output gradient until W, which for Block
+    itself is more than its whole saved activation (``kept_fraction`` above 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x))
+        a = torch.tanh(h)
+        return a * torch.sigmoid(a) * torch.sigmoid(h) + x
+
+
 class Embed(nn.Module):
     def __init__(self, vocab: int = 11, dim: int = DIM) -> None:
         super().__init__()
@@ -59,7 +70,7 @@ def _head(embed: Embed, x: torch.Tensor) -> torch.Tensor:
     return x @ embed.weight.t()
 
 
-def kept_fraction(*, layers: int = 2) -> float:
+def kept_fraction(*, layers: int = 2, block: type[Block] = Block) -> float:
     """Share of one unit's saved activation that split backward parks until W, for Block.
 
     Measured with the runtime's own meter and store on one process, so the memory test can
@@ -69,7 +80,7 @@ def kept_fraction(*, layers: int = 2) -> float:
     from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
 
     torch.manual_seed(0)
-    stage = nn.Sequential(*[Block() for _ in range(layers)])
+    stage = nn.Sequential(*[block() for _ in range(layers)])
     store = WeightGradStore()
     enable_split_backward([stage], store)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in stage.parameters()})
@@ -90,9 +101,9 @@ def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _layers(n: int, seed: int) -> list[nn.Module]:
+def _layers(n: int, seed: int, *, block: type[Block] = Block) -> list[nn.Module]:
     torch.manual_seed(seed)
-    return [Block() for _ in range(n)]
+    return [block() for _ in range(n)]
 
 
 def _data(case: dict[str, Any], steps: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,7 +146,7 @@ def _build(case: dict[str, Any], p: int) -> tuple[PipelineModule, nn.Module, Any
         ref = _TiedReference(copy.deepcopy(embed), [copy.deepcopy(b) for b in blocks])
         specs = [TiedLayerSpec("embed", _Clone, embed)] + blocks + [TiedLayerSpec("embed", _Clone, embed, forward_fn=_head)]
         return PipelineModule(specs, num_stages=p, loss_fn=_ce, partition_method="uniform"), ref, _ce
-    blocks = _layers(n, seed=5)
+    blocks = _layers(n, seed=5, block=WideBlock if case.get("wide") else Block)
     ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
     if case.get("layerspec"):
         # LayerSpecs are rebuilt on each rank: seed them so both sides agree.
@@ -262,6 +273,18 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed.dropin_checks import run_dropin_case
 
         return run_dropin_case(case)
+    if case.get("ckpt_case"):
+        from tests.distributed.checkpoint_checks import run_checkpoint_case
+
+        return run_checkpoint_case(case)
+    if case.get("ported"):
+        from tests.distributed.ported_checks import run_ported_case
+
+        return run_ported_case(case)
+    if case.get("batch_check"):
+        from tests.distributed.batch_checks import run_batch_case
+
+        return run_batch_case(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 
@@ -281,9 +304,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         engine.train_batch(iter(data))  # the idle rank never answers: this must fail, not hang
     it = iter(data)
     _reset_device_peak()
+    trace = _trace_b_w(engine) if case.get("bw_trace") else None
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None),
-                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None)}
+                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace}
     result["device_max_allocated_bytes"] = _device_peak()
     result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)
@@ -295,6 +319,30 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("checkpoint"):
         result.update(_checkpoint_roundtrip(engine, case, p, m))
     return result
+
+
+def _trace_b_w(engine: Any) -> list[list[Any]]:
+    """Test-only instrumentation: around each B and W handler, how many of the stage's trainable
+    parameters had their ``.grad`` changed. Split backward must leave them all to W."""
+    from ds_vshape.runtime import instructions as ins
+
+    events: list[list[Any]] = []
+    table = dict(engine._INSTRUCTION_MAP)
+
+    def traced(kind: str, handler: Any) -> Any:
+        def run(self: Any, **kwargs: Any) -> None:
+            params = [p for m in self.module.stage_modules(kwargs["stage"]) for p in m.parameters() if p.requires_grad]
+            before = [None if p.grad is None else p.grad.clone() for p in params]
+            handler(self, **kwargs)
+            changed = sum(not (b is None and p.grad is None or b is not None and p.grad is not None and torch.equal(b, p.grad))
+                          for b, p in zip(before, params))
+            events.append([kind, kwargs["stage"], kwargs["micro_batch"], changed, len(params)])
+        return run
+
+    table[ins.BackwardInput] = traced("B", table[ins.BackwardInput])
+    table[ins.BackwardWeight] = traced("W", table[ins.BackwardWeight])
+    engine._INSTRUCTION_MAP = table  # this engine only
+    return events
 
 
 def _failed_step(engine: Any, data: list) -> dict[str, Any]:

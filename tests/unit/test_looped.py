@@ -58,7 +58,8 @@ def test_min_micro_batches() -> None:
 def test_registry_flags() -> None:
     assert get_info("interleaved").fixed_chunks is None
     assert get_info("breadth-first").fixed_chunks is None
-    assert set(get_info("breadth-first").zero_stages) == {0, 1, 2, 3}
+    # The engine does not drive ZeRO-2/3 yet: the registry, which initialize reads, says so.
+    assert set(get_info("breadth-first").zero_stages) == {0, 1}
     assert generate("interleaved", 4, 8).chunks_per_rank == 2  # default v
 
 

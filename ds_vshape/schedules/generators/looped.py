@@ -83,9 +83,8 @@ def _interleaved_rank(r: int, p: int, m: int, v: int, table: list[tuple[int, int
 @register(
     "breadth-first",
     aliases=("looped-bfs", "bfs"),
-    summary="breadth-first on looped placement: all micro-batches per chunk; ZeRO-2/3 friendly, memory m",
+    summary="breadth-first on looped placement: all micro-batches per chunk; meant for ZeRO-2/3 (not lifted yet), memory m",
     fixed_chunks=None,
-    zero_stages=(0, 1, 2, 3),
 )
 def breadth_first(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Valid for any m; with m < p rank 0 waits at every loop for the first micro-batch to

@@ -1,0 +1,355 @@
+"""Checkpoints that cross schedules and pipeline sizes, optimizer state included.
+
+DeepSpeed stores a pipeline rank's optimizer state in ``mp_rank_XX_model_states.pt`` in the
+order of that rank's parameters, with no names. Loaded under another placement (another
+schedule, another p) the same indices name other layers, and Adam moments land on the wrong
+weights without an error. Model weights already cross (``layer_XX-model_states.pt`` files use
+global layer numbers); this module adds the same for the optimizer:
+
+* ``vs_layout.json`` (written by global rank 0): the saving schedule, p, placement, the stage
+  cut, the layer count, which pipeline ranks held each unit, the ZeRO stage and optimizer, and
+  whether per-parameter state was written.
+* ``vs_optim_pp_rank_XX.pt`` (data-parallel rank 0 of each pipeline rank, only for an optimizer
+  that keeps plain per-parameter state: a torch optimizer under ZeRO-0 without an fp16/bf16
+  wrapper): each parameter's state keyed by its module name (``"3.fc.weight"``: global layer 3;
+  ``"tied_modules.embed.weight"``), with its shape and its group's options.
+
+A load under the saving placement is DeepSpeed's own (exact resume, any optimizer wrapper). A
+load under another placement maps every parameter's state by name, or is refused with an error
+that names both placements and says what to change. The learning-rate scheduler state and the
+global step come from DeepSpeed's own files, which do not depend on the placement.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .carry import unit_holders, unit_of
+
+__all__ = ["CheckpointError", "Layout", "LAYOUT_FILE", "optim_file", "layout_of", "stock_layout", "read_layout",
+           "plan_load", "optimizer_payload", "mapped_state_dict", "needed_ranks", "agree", "mappable", "save", "load"]
+
+LAYOUT_FILE = "vs_layout.json"
+FORMAT = "ds_vshape.checkpoint/1"
+WEIGHTS, STOCK, MAPPED = "weights", "stock", "mapped"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here as asked, worded as what to change."""
+
+
+def optim_file(ckpt_dir: str, pipe_rank: int) -> str:
+    return os.path.join(ckpt_dir, f"vs_optim_pp_rank_{pipe_rank:02d}.pt")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run keeps its layers and how its optimizer state is stored."""
+
+    schedule: str | None  # None: written by stock DeepSpeed (one stage per rank, linear)
+    p: int
+    placement: tuple[int, ...]
+    stage_parts: tuple[int, ...] | None  # None: unknown (stock checkpoint)
+    num_layers: int | None
+    zero_stage: int
+    optimizer: str
+    mapped: bool  # per-parameter state by name is (or can be) written
+    holders: dict[str, list[int]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        name = "stock DeepSpeed (1f1b)" if self.schedule is None else f"schedule {self.schedule!r}"
+        return f"{name} at p={self.p} (stage-to-rank placement {list(self.placement)})"
+
+    def same_placement(self, other: Layout) -> bool:
+        if (self.p, self.placement) != (other.p, other.placement):
+            return False
+        known = self.stage_parts is not None and other.stage_parts is not None
+        return not known or self.stage_parts == other.stage_parts
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, path: str) -> Layout:
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise CheckpointError(f"{path}: not a {FORMAT} layout file; it was written by another ds_vshape version, "
+                                  "load it with the version that wrote it or with load_optimizer_states=False")
+        parts = data["stage_parts"]
+        return cls(**{**data, "placement": tuple(data["placement"]), "stage_parts": None if parts is None else tuple(parts)})
+
+
+def mappable(engine: Any) -> bool:
+    """True when the optimizer keeps plain per-parameter state this module can name and map."""
+    opt = engine.optimizer
+    return (opt is not None and opt is getattr(engine, "basic_optimizer", None) and isinstance(opt, torch.optim.Optimizer)
+            and engine.zero_optimization_stage() == 0 and engine.grid.get_slice_parallel_world_size() == 1)
+
+
+def _optimizer_name(engine: Any) -> str:
+    opt, basic = engine.optimizer, getattr(engine, "basic_optimizer", None)
+    if opt is None:
+        return "none"
+    if basic is None or opt is basic:
+        return type(opt).__name__
+    return f"{type(opt).__name__}({type(basic).__name__})"
+
+
+def layout_of(engine: Any) -> Layout:
+    module = engine.module
+    return Layout(schedule=engine.schedule.name, p=engine.num_stages, placement=tuple(module.placement),
+                  stage_parts=tuple(int(b) for b in module.stage_parts), num_layers=len(module._layer_specs),  # numpy ints from DeepSpeed
+                  zero_stage=engine.zero_optimization_stage(), optimizer=_optimizer_name(engine), mapped=mappable(engine),
+                  holders=unit_holders(module))
+
+
+def stock_layout(ckpt_dir: str) -> Layout | None:
+    """What a checkpoint without ``vs_layout.json`` tells: stock DeepSpeed, one stage per rank."""
+    ranks = glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt"))
+    if not ranks:
+        return None  # not a pipeline checkpoint DeepSpeed wrote; DeepSpeed's loader reports it
+    zero = 1 if glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")) else 0
+    p = len(ranks)
+    return Layout(schedule=None, p=p, placement=tuple(range(p)), stage_parts=None, num_layers=None, zero_stage=zero,
+                  optimizer="unknown", mapped=False)
+
+
+def read_layout(ckpt_dir: str) -> Layout | None:
+    path = os.path.join(ckpt_dir, LAYOUT_FILE)
+    if not os.path.isfile(path):
+        return stock_layout(ckpt_dir)
+    with open(path) as fh:
+        return Layout.from_json(fh.read(), path=path)
+
+
+def plan_load(saved: Layout, current: Layout, *, load_optimizer: bool, where: str, rank: int) -> str:
+    """WEIGHTS, STOCK (DeepSpeed's own load) or MAPPED; a CheckpointError for anything else.
+
+    Decided from the checkpoint's files and the config alone, so every rank decides the same.
+    """
+    if saved.num_layers is not None and saved.num_layers != current.num_layers:
+        raise CheckpointError(f"rank {rank}: checkpoint {where} holds a model of {saved.num_layers} layers but this "
+                              f"PipelineModule has {current.num_layers}; build the same layer list that was saved")
+    if saved.holders and set(saved.holders) != set(current.holders):
+        diff = sorted(set(saved.holders) ^ set(current.holders))[:4]
+        raise CheckpointError(f"rank {rank}: checkpoint {where} and this PipelineModule differ in their layers and tied "
+                              f"modules (e.g. {diff}); build the same layer list (and tied keys) that was saved")
+    if not load_optimizer:
+        return WEIGHTS
+    if saved.same_placement(current):
+        return STOCK
+    if saved.mapped and current.mapped:
+        return MAPPED
+    raise CheckpointError(
+        f"rank {rank}: cannot load the optimizer state of checkpoint {where}: it was saved under {saved.describe()} and "
+        f"this run is {current.describe()}; {_why_not(saved, current)}, so loading it would put optimizer state on the "
+        "wrong layers. Load the weights only with load_checkpoint(..., load_optimizer_states=False), or resume under "
+        f"the saved placement ({_how_to_resume(saved)})"
+    )
+
+
+def _why_not(saved: Layout, current: Layout) -> str:
+    if saved.schedule is None:
+        return "stock DeepSpeed stores each pipeline rank's optimizer state in parameter order, without layer names"
+    if not saved.mapped:
+        return (f"its optimizer ({saved.optimizer}, ZeRO stage {saved.zero_stage}) keeps state in flat per-rank buffers "
+                "that cannot be mapped by layer")
+    return (f"this run's optimizer ({current.optimizer}, ZeRO stage {current.zero_stage}) keeps state in flat per-rank "
+            "buffers that cannot be filled by layer (only a torch optimizer under ZeRO-0 in fp32 maps)")
+
+
+def _how_to_resume(saved: Layout) -> str:
+    schedule = "no pipeline.schedule (stock DeepSpeed) or pipeline.schedule='1f1b'" if saved.schedule is None else \
+        f"pipeline.schedule={saved.schedule!r}"
+    return f"{schedule} with {saved.p} pipeline stages"
+
+
+def optimizer_payload(engine: Any) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name, with shapes and group options."""
+    opt = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    params: dict[str, Any] = {}
+    for gi, group in enumerate(opt.param_groups):
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                continue  # not the module's: ds_vshape's initialize refuses these, nothing to map by
+            state = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in opt.state.get(param, {}).items()}
+            params[name] = {"group": gi, "shape": tuple(param.shape), "state": state}
+    return {"format": FORMAT, "pipe_rank": engine.stage_id, "optimizer": type(opt).__name__, "groups": groups,
+            "params": params}
+
+
+def needed_ranks(saved: Layout, names: list[str]) -> list[int]:
+    """The saved pipeline ranks whose files hold these parameters (tied: the lowest holder)."""
+    return sorted({saved.holders[unit_of(n)][0] for n in names if unit_of(n) in saved.holders})
+
+
+def mapped_state_dict(optimizer: torch.optim.Optimizer, names: dict[int, str], saved: Layout,
+                      payloads: dict[int, dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """``optimizer.load_state_dict`` input built by name from the saved files; or an error text.
+
+    Each current group takes the options of the saved group its parameters came from (as
+    torch's own load does); parameters of one group here must come from equal saved groups.
+    """
+    problems: list[str] = []
+    classes = {pl["optimizer"] for pl in payloads.values()}
+    if classes - {type(optimizer).__name__}:
+        problems.append(f"the checkpoint's optimizer is {sorted(classes)} but this run's is {type(optimizer).__name__}; "
+                        "configure the same optimizer type")
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        options: dict[str, Any] | None = None
+        start = index
+        for param in group["params"]:
+            name = names.get(id(param), f"<parameter of shape {tuple(param.shape)} outside the module>")
+            entry, opts, problem = _entry(name, param, saved, payloads)
+            if problem is None and options is not None and repr(opts) != repr(options):
+                problem = (f"{name} was in a group with options {opts} but shares group {gi} here with parameters saved "
+                           f"in a group with options {options}; group the parameters as when saving")
+            if problem is not None:
+                problems.append(problem)
+            else:
+                options = options if options is not None else opts
+                if entry["state"]:
+                    state[index] = entry["state"]
+            index += 1
+        base = options if options is not None else {k: v for k, v in group.items() if k != "params"}
+        groups.append(dict(base, params=list(range(start, index))))
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return {}, "; ".join(problems[:3]) + more
+    return {"state": state, "param_groups": groups}, None
+
+
+def _entry(name: str, param: torch.Tensor, saved: Layout,
+           payloads: dict[int, dict[str, Any]]) -> tuple[Any, Any, str | None]:
+    unit = unit_of(name)
+    holders = saved.holders.get(unit)
+    payload = payloads.get(holders[0]) if holders else None
+    entry = None if payload is None else payload["params"].get(name)
+    if entry is None:
+        where = f"pipeline rank {holders[0]}'s file" if holders else "the checkpoint"
+        return None, None, f"no optimizer state for {name} in {where}; the checkpoint is incomplete or of another model"
+    if tuple(entry["shape"]) != tuple(param.shape):
+        return None, None, (f"{name} has shape {tuple(entry['shape'])} in the checkpoint but {tuple(param.shape)} here; "
+                            "build the same model that was saved")
+    return entry, payload["groups"][entry["group"]], None
+
+
+def agree(error: str | None) -> None:
+    """Raise every rank's error on every rank, so no rank goes on to wait for one that failed."""
+    items: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(items, error)
+    errors = [e for e in items if e]
+    if errors:
+        raise CheckpointError("; ".join(dict.fromkeys(errors)))
+
+
+# ---- the engine's save and load, around DeepSpeed's own -------------------------------------
+def save(engine: Any, save_dir: str, tag: Any) -> None:
+    """Write the layout (global rank 0) and this pipeline rank's named optimizer state (data-parallel rank 0)."""
+    ckpt_dir = os.path.join(save_dir, str(tag))
+    layout = layout_of(engine)
+    if dist.get_rank() == 0:
+        with open(os.path.join(ckpt_dir, LAYOUT_FILE), "w") as fh:
+            fh.write(layout.to_json())
+    # Under ZeRO-0 every data-parallel replica holds the same state: one copy per pipeline rank.
+    if layout.mapped and engine.grid.data_parallel_id == 0:
+        engine.checkpoint_engine.save(state_dict=optimizer_payload(engine), path=optim_file(ckpt_dir, engine.stage_id))
+
+
+def load(engine: Any, load_fn: Any, load_dir: str, tag: Any, *, load_optimizer_states: bool, load_module_only: bool,
+         **kwargs: Any) -> tuple[Any, Any]:
+    """DeepSpeed's load (``load_fn``) with the optimizer state mapped, kept, or refused by placement."""
+    tag = _resolve_tag(load_dir, tag)
+    ckpt_dir = os.path.join(load_dir, str(tag))
+    saved = None if tag is None or engine.load_universal_checkpoint() else read_layout(ckpt_dir)
+    if saved is None:  # no tag, universal, or not a pipeline checkpoint: DeepSpeed's loader decides
+        return load_fn(load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, **kwargs)
+    wants = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    plan = plan_load(saved, layout_of(engine), load_optimizer=wants, where=ckpt_dir, rank=dist.get_rank())
+    mapped = None
+    if plan == MAPPED:
+        mapped = _mapped(engine, saved, ckpt_dir)
+    elif plan == STOCK and saved.schedule is None and mappable(engine):
+        agree(_check_stock_state(engine, ckpt_dir))  # same p, linear: still check the shapes line up
+    path, client = load_fn(load_dir, tag, load_optimizer_states=load_optimizer_states and plan != MAPPED,
+                           load_module_only=load_module_only, **kwargs)
+    if mapped is not None:
+        engine.optimizer.load_state_dict(mapped)
+        if client is not None:
+            client.pop("optimizer", None)  # DeepSpeed's copy is in the saving placement's order
+    elif plan == WEIGHTS and path is not None:
+        _refresh_master_weights(engine)
+    return path, client
+
+
+def _resolve_tag(load_dir: str, tag: Any) -> Any:
+    if tag is not None:
+        return tag
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as fh:
+        return fh.read().strip()
+
+
+def _mapped(engine: Any, saved: Layout, ckpt_dir: str) -> dict[str, Any]:
+    opt = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    mine = [names[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in names]
+    payloads: dict[int, dict[str, Any]] = {}
+    error = None
+    for r in needed_ranks(saved, mine):
+        path = optim_file(ckpt_dir, r)
+        if not os.path.isfile(path):
+            error = f"{path} is missing (pipeline rank {r}'s optimizer state); copy the whole checkpoint directory"
+            break
+        payloads[r] = engine.checkpoint_engine.load(path, map_location=torch.device("cpu"))
+    state_dict: dict[str, Any] = {}
+    if error is None:
+        state_dict, error = mapped_state_dict(opt, names, saved, payloads)
+    agree(None if error is None else f"rank {dist.get_rank()}: cannot map the optimizer state of {ckpt_dir}: {error}")
+    return state_dict
+
+
+def _check_stock_state(engine: Any, ckpt_dir: str) -> str | None:
+    """A stock checkpoint at the same p: its per-rank state must fit this rank's parameters."""
+    path = os.path.join(ckpt_dir, f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt")
+    saved = engine.checkpoint_engine.load(path, map_location=torch.device("cpu")).get("optimizer")
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        return None  # nothing in torch's format to compare; DeepSpeed's loader reports what it finds
+    params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    sizes, saved_sizes = [len(g["params"]) for g in engine.optimizer.param_groups], [len(g["params"]) for g in saved["param_groups"]]
+    where = f"rank {dist.get_rank()}: the stock DeepSpeed checkpoint {ckpt_dir}"
+    hint = ("the stages were cut differently (partition_method?); set the saving job's pipeline.partition_method, or "
+            "load with load_optimizer_states=False")
+    if sizes != saved_sizes:
+        return f"{where} has optimizer groups of {saved_sizes} parameters on this pipeline rank but this run has {sizes}; {hint}"
+    order = [i for g in saved["param_groups"] for i in g["params"]]
+    for i, param in zip(order, params):
+        for key, value in saved.get("state", {}).get(i, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                return f"{where} has {key} of shape {tuple(value.shape)} where this rank's parameter is {tuple(param.shape)}; {hint}"
+    return None
+
+
+def _refresh_master_weights(engine: Any) -> None:
+    # An fp16/bf16 wrapper keeps fp32 master copies that DeepSpeed refreshes only for
+    # load_module_only; without this a weights-only load would be undone by the next step.
+    opt = engine.optimizer
+    if opt is not None and opt is not getattr(engine, "basic_optimizer", opt) and engine.zero_optimization_stage() == 0:
+        refresh = getattr(opt, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()

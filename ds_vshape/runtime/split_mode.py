@@ -1,0 +1,145 @@
+"""Routes every operation that consumes a trainable parameter through split backward.
+
+Active while a unit's forward runs (and while its backward re-runs a checkpointed forward),
+a ``TorchFunctionMode`` sees each torch call and sorts its tensor arguments:
+
+* parameter-like: a trainable parameter of the stage, or a tensor computed from such
+  parameters only (``w.t()``, ``w.to(bf16)``, ``w[idx]``): its gradient is W's work;
+* anything else (activations, ids, masks, frozen parameters).
+
+A call with only parameter-like tensors runs as is and its outputs become parameter-like, so
+a head computing ``x @ embedding.weight.t()`` defers the embedding's gradient like a linear
+layer. A call mixing both is where B and W part: GEMMs take the fast path, anything else the
+generic one (``split_ops``). Calls without parameters, and in-place calls (their result must
+stay the tensor they modify), run untouched; a parameter reached that way gets its gradient
+in B, which ``split_backward`` reports.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
+
+if TYPE_CHECKING:
+    from .split_backward import WeightGradStore
+
+__all__ = ["DeferMode", "RoutedCall", "routing"]
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imatmul__",
+                    "__ipow__", "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+class DeferMode(TorchFunctionMode):
+    """Sends the parameter-consuming calls of ``store.current``'s unit through split backward."""
+
+    def __init__(self, store: WeightGradStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        store = self.store
+        if store.current is None or store.is_suspended or not torch.is_grad_enabled() or not _touches_params(store, args, kwargs):
+            return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        tensors = [flat[i] for i in pos]
+        is_param = [store.is_param_like(t) for t in tensors]
+        if all(is_param):
+            out = func(*args, **kwargs)
+            store.mark_param_like(out)
+            return out
+        if _mutates(func, kwargs):
+            return func(*args, **kwargs)
+        fast = _fast_matmul(store, func, args, kwargs)
+        if fast is not None:
+            return fast
+        call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, store,
+                      store.current, autocast=_autocast_state(tensors))
+        return deferred_op(call, tensors)
+
+
+def routing(store: WeightGradStore) -> ContextManager[Any]:
+    """The mode, unless it is active already or no unit is running.
+
+    Autograd runs backward without the caller's torch-function modes, so a checkpointed
+    forward re-run in B would skip them and save other tensors than the forward did (a
+    non-reentrant checkpoint refuses that) and compute weight gradients in B. Module
+    forwards and checkpointed functions therefore enter the mode themselves (``RoutedCall``).
+    """
+    if store.current is None or store.is_suspended:
+        return nullcontext()
+    if any(isinstance(m, DeferMode) for m in torch.overrides._get_current_function_mode_stack()):
+        return nullcontext()
+    return DeferMode(store)
+
+
+class RoutedCall:
+    """``function`` run under ``routing(store)``: what a checkpoint is handed to re-run."""
+
+    def __init__(self, function: Callable[..., Any], store: WeightGradStore) -> None:
+        self.function, self.store = function, store
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with routing(self.store):
+            return self.function(*args, **kwargs)
+
+
+def _touches_params(store: WeightGradStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # Called for every op of the forward: a shallow look (lists one level deep, as torch.cat takes them).
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if store.is_param_like(v):
+                return True
+        elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and store.is_param_like(t) for t in v):
+            return True
+    return False
+
+
+def _mutates(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+
+
+def _fast_matmul(store: WeightGradStore, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``F.linear``/``x @ W``/``addmm`` with the weight (or bias) parameter-like: the GEMM fast path."""
+    if func is F.linear and set(kwargs) <= {"bias"} and len(args) in (2, 3):
+        x, w = args[0], args[1]
+        b = args[2] if len(args) == 3 else kwargs.get("bias")
+        kind, x_dims = "linear", 1
+    elif func in _MATMULS and not kwargs and len(args) == 2:
+        (x, w), b = args, None
+        kind, x_dims = "matmul", 1 if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) else 2
+    elif func is torch.addmm and not kwargs and len(args) == 3:
+        b, x, w = args
+        kind, x_dims = "addmm", 2
+    else:
+        return None
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and x.dim() >= 2):
+        return None
+    if x_dims == 2 and x.dim() != 2 or store.is_param_like(x):
+        return None
+    if b is not None and not (isinstance(b, torch.Tensor) and b.dim() == 1):
+        return None
+    operands = [t for t in (w, b) if t is not None]
+    if not any(store.is_param_like(t) for t in operands) or any(t.requires_grad and not store.is_param_like(t) for t in operands):
+        return None  # an activation as the weight (attention scores @ V): not a parameter's GEMM
+    return split_matmul(MatmulCall(kind, store, store.current), x, w, b)
+
+
+def _autocast_state(tensors: list[torch.Tensor]) -> tuple[str, bool, torch.dtype] | None:
+    """The autocast the call runs under, so that B's re-run computes the same values."""
+    device = tensors[0].device.type
+    if device not in ("cuda", "cpu", "xpu", "hpu", "mps") or not torch.is_autocast_enabled(device):
+        return None
+    return device, True, torch.get_autocast_dtype(device)

@@ -1,0 +1,100 @@
+"""Checkpoints cross schedules and pipeline sizes with the optimizer state; what cannot cross is refused.
+
+The resume chain of issue 10: AdamW with weight decay and DeepSpeed's WarmupLR, v-half at p=4
+for 3 steps, save; 1f1b at p=2 loads it, 3 steps, save; zb-h1 at p=4 loads that, 3 steps.
+Each launch is a separate torchrun (4, 2, 4 ranks) on one shared directory; each link
+compares its losses, parameters and Adam moments with a plain model trained from the start
+(fp32, 1e-5). The 2-rank launch also runs the stock-DeepSpeed and refusal cases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .launch import launch
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5
+CHAIN = [("v-half", 4), ("1f1b", 2), ("zb-h1", 4)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("ckpt")
+    chain_dir = str(tmp / "chain")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for phase, (schedule, p) in enumerate(CHAIN):
+        cases = [{"name": f"chain-{phase}", "ckpt_case": "chain", "phase": phase, "schedule": schedule, "p": p, "m": 4,
+                  "dir": chain_dir}]
+        if p == 2:  # the other cases ride along with the 2-rank launch
+            cases += [{"name": "stock", "ckpt_case": "stock", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "stock")},
+                      {"name": "zero1", "ckpt_case": "zero1", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "zero1")}]
+        per_rank = launch(cases, p, tmp / f"launch{phase}")
+        out.update({name: [r[name] for r in per_rank] for name in per_rank[0]})
+    return out
+
+
+def _ok(name: str, ranks: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(ranks):
+        assert "error" not in res, f"{name} rank {rank}: {res.get('error')}\n{res.get('traceback', '')}"
+
+
+@pytest.mark.parametrize("phase", range(len(CHAIN)))
+def test_resume_chain_matches_one_uninterrupted_run(results: dict, phase: int) -> None:
+    name = f"chain-{phase}"
+    ranks = results[name]
+    _ok(name, ranks)
+    for rank, res in enumerate(ranks):
+        assert res["optimizer"] == "AdamW", res["optimizer"]  # torch's, under no wrapper: the mapped kind
+        assert res["loaded_global_steps"] == 3 * phase, f"{name} rank {rank}: global step {res['loaded_global_steps']}"
+        for got, want in zip(res["losses"], res["ref_losses"], strict=True):
+            assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{name} rank {rank}: loss {got} vs reference {want}"
+        assert res["param_diff"] <= TOL, f"{name} rank {rank}: parameters differ from reference by {res['param_diff']}"
+        assert res["state_diff"] <= TOL, f"{name} rank {rank}: Adam moments differ from reference by {res['state_diff']}"
+        assert res["adam_steps"] == [[3.0 * (phase + 1)] * 2], res["adam_steps"]  # JSON: lists
+
+
+def test_chain_really_moves_layers_between_ranks(results: dict) -> None:
+    layers = [[r["local_layers"] for r in results[f"chain-{k}"]] for k in range(len(CHAIN))]
+    assert layers[0][0] == [0, 7] and layers[1][0] == [0, 1, 2, 3] and layers[2][3] == [6, 7], layers
+
+
+def test_stock_deepspeed_checkpoint_resumes_under_the_same_placement(results: dict) -> None:
+    ranks = results["stock"]
+    _ok("stock", ranks)
+    for rank, res in enumerate(ranks):
+        assert res["state_diff"] == 0.0 and res["global_steps"] == 2, f"rank {rank}: {res}"
+        stock_loss, our_loss = res["losses"]
+        assert abs(stock_loss - our_loss) <= TOL and res["param_diff"] <= TOL, f"rank {rank}: {res}"
+
+
+@pytest.mark.parametrize(
+    ("case", "needles"),
+    [
+        ("stock", ["stock DeepSpeed (1f1b) at p=2", "schedule 'v-half' at p=2", "parameter order", "wrong layers",
+                   "load_optimizer_states=False", "2 pipeline stages"]),
+        ("zero1", ["schedule '1f1b' at p=2", "schedule 'v-half' at p=2", "ZeRO stage 1", "flat per-rank buffers",
+                   "load_optimizer_states=False", "pipeline.schedule='1f1b'"]),
+    ],
+)
+def test_cross_placement_optimizer_load_is_refused_with_what_to_do(results: dict, case: str, needles: list[str]) -> None:
+    for rank, res in enumerate(results[case]):
+        assert "error" not in res, res
+        assert res["refused"] is not None, f"{case} rank {rank}: loaded without refusal"
+        for needle in needles + [f"rank {rank}:"]:
+            assert needle in res["refused"], f"{case} rank {rank}: {needle!r} not in {res['refused']!r}"
+        assert res["weights_only_error"] is None, f"{case} rank {rank}: weights-only load failed: {res['weights_only_error']}"
+
+
+def test_weights_only_load_under_zero1_takes_weights_and_step(results: dict) -> None:
+    for rank, res in enumerate(results["zero1"]):
+        assert res["weight_diff"] == 0.0 and res["loaded_global_steps"] == 1, f"rank {rank}: {res}"
+
+
+def test_a_different_layer_count_is_refused(results: dict) -> None:
+    for rank, res in enumerate(results["zero1"]):
+        msg = res["layers_refused"]
+        assert msg is not None and "8 layers" in msg and "has 10" in msg, f"rank {rank}: {msg!r}"
