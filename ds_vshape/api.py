@@ -21,8 +21,9 @@ from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.engine import VShapeEngine
 from .runtime.carry import carry_weights
-from .runtime.module import PipelineModule, from_deepspeed_module, stock_partition_method
+from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
+from .runtime.seq_chunks import check_module as check_seq_chunk_module
 from .schedules import Schedule, get_info
 
 __all__ = ["initialize"]
@@ -51,6 +52,7 @@ def initialize(
     module, schedule = _prepare_module(model, vs, config_dict)
     if module is not model:
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
+        release_stock_layers(model, module)  # after the groups and optimizer were mapped from it
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
     # The schedule is made here, once; the engine gets it, and the same generator for batch
     # ramp-up, but never the config itself.
@@ -125,8 +127,11 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         schedule = vs.make_schedule(p, micro_batches, check=False)
     except ValueError as err:
         raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
-    if schedule.seq_chunks > 1:  # the flag on the schedule's info only says k > 1 is possible
-        raise ConfigError(f"schedule {info.name!r} with {schedule.seq_chunks} sequence chunks is simulator-only for now (the engine does not cut attention into sequence chunks yet); pick another schedule or pipeline.seq_chunks=1")
+    if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence
+        try:
+            check_seq_chunk_module(model, schedule.seq_chunks, info.name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if len(model._layer_specs) < schedule.num_model_stages:
         raise ConfigError(
             f"the model has {len(model._layer_specs)} layers but schedule {info.name!r} cuts it into "

@@ -9,17 +9,20 @@ loads what we save.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+from deepspeed import comm as ds_dist
 from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe import module as ds_module
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.module import PipelineModule as _DSPipelineModule
 from deepspeed.utils import logger as ds_logger
 from torch import nn
 
-__all__ = ["PipelineModule", "from_deepspeed_module", "stock_partition_method", "record_partition_methods"]
+__all__ = ["PipelineModule", "from_deepspeed_module", "release_stock_layers", "stock_partition_method", "record_partition_methods"]
 
 
 class PipelineModule(_DSPipelineModule):
@@ -183,6 +186,49 @@ def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *
         return module
     prebuilt: dict[str, nn.Module] = {name: m for name, m in module._modules.items() if name.isdigit()}
     prebuilt.update({f"tied_modules.{key}": m for key, m in module.tied_modules.items()})
+    with _stock_groups(module):
+        return _recut(module, placement, prebuilt, partition_method)
+
+
+@contextmanager
+def _stock_groups(stock: _DSPipelineModule) -> Iterator[None]:
+    """While the re-cut module is built, give it the stock module's world group and grid.
+
+    DeepSpeed's constructor always makes a world group and a ``PipelineParallelGrid``, one
+    process group per pipeline and data-parallel slice. The topology is the same, so those of
+    the stock module serve as they are, and the job keeps DeepSpeed's number of process
+    groups. Other groups (tied layers of the new placement) are still created.
+    """
+    world = list(range(ds_dist.get_world_size()))
+    make_group, make_grid = ds_module.dist.new_group, ds_module.PipelineParallelGrid
+
+    def new_group(*args: Any, ranks: Any = None, **kwargs: Any) -> Any:
+        if ranks is not None and list(ranks) == world:
+            return stock.world_group
+        return make_group(*args, ranks=ranks, **kwargs)
+
+    ds_module.dist.new_group = new_group
+    ds_module.PipelineParallelGrid = lambda process_group=None, topology=None: stock._grid  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        ds_module.dist.new_group, ds_module.PipelineParallelGrid = make_group, make_grid
+
+
+def release_stock_layers(stock: _DSPipelineModule, recut: _DSPipelineModule) -> None:
+    """Drop the stock module's references to layers the re-cut module did not take over.
+
+    After ``carry_weights`` nothing needs them; the caller's stock module is spent either way
+    (``initialize`` replaces it), so its memory goes as soon as the caller lets it go.
+    """
+    kept = {id(m) for m in recut.modules()}
+    for name in [n for n, m in stock._modules.items() if (n.isdigit() or n == "tied_modules") and id(m) not in kept]:
+        del stock._modules[name]
+    stock.forward_funcs = [f for f in stock.forward_funcs if not isinstance(f, nn.Module) or id(f) in kept]
+
+
+def _recut(module: _DSPipelineModule, placement: Sequence[int], prebuilt: dict[str, nn.Module],
+           partition_method: str | None) -> PipelineModule:
     return PipelineModule(
         module._layer_specs,
         placement=placement,

@@ -76,7 +76,28 @@ def eval_any_m(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-CHECKS = {"batch_keys": batch_keys, "ramp": ramp, "eval_any_m": eval_any_m}
+def _groups() -> int:
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def process_groups(case: dict[str, Any]) -> dict[str, Any]:
+    """Process groups made by building a stock module and initialising it, through DeepSpeed
+    and through ds_vshape (which re-cuts it for the schedule); and the stock layers left."""
+    counts = {}
+    for system in ("deepspeed", "ds_vshape"):  # the same stock module, then initialize
+        before_module = _groups()
+        model, _ref, _loss = w._build(case, case["p"])
+        counts["stock_module"] = _groups() - before_module  # a grid's worth of groups
+        config = _config(dict(case, schedule=case["schedule"] if system == "ds_vshape" else None))
+        before = _groups()
+        engine, *_ = ds_vshape.initialize(model=model, config=config)
+        counts[system] = _groups() - before
+    owned = {id(m) for m in engine.module.modules()}
+    left = [n for n, m in model._modules.items() if n.isdigit() and id(m) not in owned]
+    return {"groups": counts, "stock_layers_left": left, "same_grid": engine.grid is model._grid}
+
+
+CHECKS = {"batch_keys": batch_keys, "ramp": ramp, "eval_any_m": eval_any_m, "groups": process_groups}
 
 
 def run_batch_case(case: dict[str, Any]) -> dict[str, Any]:

@@ -41,9 +41,24 @@ EVAL_CASES = [
 ]
 
 
+GROUP_CASES = [{"name": f"groups-{s}", "batch_check": "groups", "schedule": s, "p": 2, "m": 4, "tied": tied}
+               for s, tied in (("v-half", False), ("zb-h1", False), ("v-half", True))]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(BATCH_CASES + EVAL_CASES, 2, tmp_path_factory.mktemp("batch")))
+    return _by_case(launch(GROUP_CASES + BATCH_CASES + EVAL_CASES, 2, tmp_path_factory.mktemp("batch")))
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in GROUP_CASES])
+def test_the_recut_module_reuses_the_stock_grid_and_frees_its_layers(results: dict, case: str) -> None:
+    for rank, res in enumerate(results[case]):
+        assert "error" not in res, f"{case} rank {rank}: {res['error']}\n{res.get('traceback', '')}"
+        # No second grid: the engine runs on the stock module's grid, and initialize adds far
+        # fewer groups than building a grid does (one extra group remains, see the issue note).
+        groups = res["groups"]
+        assert res["same_grid"] and groups["ds_vshape"] <= groups["deepspeed"] + 1 < groups["stock_module"], groups
+        assert res["stock_layers_left"] == [], res
 
 
 @pytest.mark.parametrize("case", [c for c in BATCH_CASES if c["batch_check"] == "batch_keys"], ids=lambda c: c["name"])
