@@ -33,7 +33,7 @@ class PipelineConfig(BaseModel):
 
     schedule: str | None = Field(None, description="Schedule name (see `ds-vshape list`); absent means stock DeepSpeed 1F1B.")
     chunks: int | None = Field(None, ge=1, description="Model stages per rank for interleaved / breadth-first (V schedules always use 2).")
-    seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k = 1 only for now.")
+    seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k > 1 only for models built with ds_vshape.hf.pipeline_layers (sequence length a multiple of k, no activation checkpointing).")
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto).")
     partition_method: str | None = Field(
         None, description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'; absent means the "

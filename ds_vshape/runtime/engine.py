@@ -27,6 +27,7 @@ from . import instructions as ins
 from .comm import ACT, GRAD, P2P, Recv
 from .memory import ActivationMeter
 from .precision import agree_on_overflow, check_overflow_group, scale_loss
+from .seq_chunks import SeqChunks
 from .split_backward import WeightGradStore, enable_split_backward
 
 __all__ = ["VShapeEngine"]
@@ -71,6 +72,7 @@ class VShapeEngine(PipelineEngine):
             device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
         self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
+        self._seq = SeqChunks(self.stage_id)
         self._reset_step_state()
 
     def _check_schedule(self, schedule: Schedule) -> None:
@@ -135,6 +137,7 @@ class VShapeEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._reset_step_state()
+        self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
         self._measuring = self.measure_memory or logs
         self._meter.reset_peak()
@@ -156,7 +159,7 @@ class VShapeEngine(PipelineEngine):
         if logs:
             log.info("ds_vshape: pipeline rank %d (%s) peak activation memory %.2f MiB, with transfer buffers %.2f MiB",
                      self.stage_id, self.schedule.name, self.peak_activation_bytes / 2**20, self.peak_memory_bytes / 2**20)
-        leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending()
+        leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending() + self._seq.pending()
         if leftovers:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone for units {leftovers[:4]}")
 
@@ -170,10 +173,11 @@ class VShapeEngine(PipelineEngine):
 
     def _exec_forward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         unit = (stage, micro_batch, seq_chunk)
-        raw = self._data.pop(micro_batch) if stage == 0 else self._act_in.pop(unit)
+        raw = self._seq.first_input(self._data, micro_batch, seq_chunk) if stage == 0 else self._act_in.pop(unit)
         inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
         split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
-        with self._meter.recording() if self._measuring else nullcontext(), split:
+        chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
+        with self._meter.recording() if self._measuring else nullcontext(), split, chunk:
             outputs = self.module.forward_stage(stage, inputs)
         if not self.module.training:
             # DeepSpeed's contiguous activation checkpointing fills a fixed pool per forward and
@@ -181,7 +185,7 @@ class VShapeEngine(PipelineEngine):
             # DeepSpeed's own engine does (else the pool overflows on one rank, the rest wait).
             ds_checkpointing.reset()
         if stage == self.num_model_stages - 1:
-            outputs = self._record_loss(outputs, self._labels.pop(micro_batch, None))
+            outputs = self._record_loss(outputs, self._seq.last_labels(self._labels, micro_batch, seq_chunk))
         else:
             self._act_in[(stage + 1, micro_batch, seq_chunk)] = _detached(outputs)
         if torch.is_grad_enabled():
@@ -189,7 +193,7 @@ class VShapeEngine(PipelineEngine):
 
     def _record_loss(self, outputs: Any, labels: Any) -> Any:
         if self._compute_loss and self.module.loss_fn is not None:
-            loss = self.module.loss_fn(outputs, labels)
+            loss = self._seq.loss(self.module.loss_fn, outputs, labels)
         else:
             loss = outputs
         if self.eval_return_logits:
@@ -263,8 +267,10 @@ class VShapeEngine(PipelineEngine):
             floats = [t for t in _tensors(outputs) if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floats, got) if t.requires_grad]
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        kv_tensors, kv_grads = self._seq.backward_roots(stage, micro_batch, seq_chunk)  # later chunks' K/V gradients
+        if tensors or kv_tensors:
+            torch.autograd.backward(tensors + kv_tensors, grads + kv_grads)
+        self._seq.release(stage, micro_batch, seq_chunk)
         if stage > 0:
             self._grad_in[(stage - 1, micro_batch, seq_chunk)] = tuple(
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs) if t.is_floating_point()

@@ -239,23 +239,64 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     p, m, steps = case["p"], case["m"], case.get("steps", 3)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_config(case["hf"]), attn_implementation="eager").float()
+    if case.get("seq"):
+        _distinct_values(model)
     ref = copy.deepcopy(model)
     layers, loss_fn = pipeline_layers(model)
-    module = PipelineModule(layers, num_stages=p, loss_fn=loss_fn, partition_method="uniform")
+    module = PipelineModule(layers, num_stages=p, loss_fn=loss_fn, partition_method="uniform",
+                            activation_checkpoint_interval=case.get("ckpt", 0))
     config = _config(case, m)
     config["gradient_clipping"] = 1.0
     engine, *_ = ds_vshape.initialize(model=module, config=config)
+    twins = _match_by_value(engine, ref) if case.get("seq") else []
     g = torch.Generator().manual_seed(3)
     data = []
     for _ in range(steps * m):
         ids = torch.randint(0, 96, (2, 16), generator=g)
         labels = ids.clone()
         labels[:, :3] = -100  # ignore-index honoured
+        if case.get("seq"):
+            labels[1, 8] = -100  # a chunk's first label, and one inside a chunk
+            labels[0, 11] = -100
         data.append((ids, labels))
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     ref_losses = _reference(ref, lambda model, ids, labels: model(input_ids=ids, labels=labels).loss, data, m, steps, 1.0)
-    return {"losses": losses, "ref_losses": ref_losses, "param_diff": 0.0}
+    diffs = {name: (mine.detach() - theirs.detach()).abs().max().item() for name, mine, theirs in twins}
+    worst = max(diffs, key=diffs.__getitem__, default=None)
+    result = {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs.get(worst, 0.0), "worst_param": worst,
+              "params_compared": len(twins)}
+    if case.get("eval"):  # forward-only, whole micro-batches, after chunked training
+        result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
+        with torch.no_grad():
+            ref.eval()
+            result["ref_eval_loss"] = sum(ref(input_ids=ids, labels=labels).loss.item() for ids, labels in data[:m]) / m
+    return result
+
+
+def _distinct_values(model: nn.Module) -> None:
+    """Nudge every parameter (norm weights start all ones) so that each one's values are its own."""
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn(param.shape, generator=g))
+
+
+def _match_by_value(engine: Any, ref: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Pair each of this rank's pipeline parameters with the reference parameter of identical values.
+
+    A tied module's copy on another rank than its owner is left out: parts of it it never runs
+    (GPT-2's position embedding next to the head) get no gradient there and are not kept in step.
+    """
+    pairs = []
+    for name, param in engine.module.named_parameters():
+        if getattr(param, "ds_pipe_replicated", False):
+            continue
+        same = [r for r in ref.parameters() if r.shape == param.shape and torch.equal(r.detach(), param.detach())]
+        if len(same) != 1:
+            raise AssertionError(f"pipeline parameter {name} matches {len(same)} reference parameters by value")
+        pairs.append((name, param, same[0]))
+    return pairs
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""Sequence chunks in the engine: a micro-batch's sequence cut into k pieces (Seq1F1B).
+
+The schedule already orders per (stage, micro-batch, seq_chunk) units; this module gives
+the engine what a unit needs that a whole micro-batch does not:
+
+* inputs: stage 0 reads positions ``[b_j, b_{j+1})`` of the micro-batch it loaded; the last
+  stage reads the chunk's slice of targets shifted once for the whole sequence, and the
+  micro-batch's count of real targets, so the chunk losses add up to the model's mean loss;
+* attention: every forward runs inside ``ds_vshape.hf.seq_chunk`` with one
+  ``ChunkKVState`` per (stage, micro-batch); a stage that loads nothing (a middle stage)
+  places chunk j right after chunk j-1, its length being that of what it received;
+* backward: chunk j adds the K/V gradients that later chunks left for it as extra autograd
+  roots, then releases what it kept.
+
+Only ``ds_vshape.hf`` layers know how to run a chunk; ``check_module`` refuses the rest at
+initialize. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from ..hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss
+from ..hf import seq_chunk as chunk_context
+from ..hf.loss import causal_lm_chunk_loss, shifted_targets
+from ..schedules.seq_partition import chunk_boundaries
+
+__all__ = ["SeqChunks", "check_module"]
+
+_HF_LAYERS = (HFEmbedding, HFDecoderBlock, HFFinalNorm, HFLMHead)
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+def check_module(model: Any, k: int, schedule_name: str) -> None:
+    """Refuse at initialize what cannot run ``k`` sequence chunks exactly; raises ``ValueError``."""
+    where = f"schedule {schedule_name!r} with pipeline.seq_chunks={k}"
+    for index, spec in enumerate(model._layer_specs):
+        layer_type = getattr(spec, "typename", type(spec))
+        if not (isinstance(layer_type, type) and issubclass(layer_type, _HF_LAYERS)):
+            name = getattr(layer_type, "__name__", repr(layer_type))
+            raise ValueError(
+                f"{where}: layer {index} ({name}) is not a ds_vshape.hf layer; only models built with "
+                "ds_vshape.hf.pipeline_layers can run in sequence chunks (attention must see the earlier chunks' "
+                "keys/values); set pipeline.seq_chunks=1 or build the layers with pipeline_layers")
+    if model.loss_fn is not causal_lm_loss:
+        raise ValueError(
+            f"{where}: the module's loss_fn is {getattr(model.loss_fn, '__name__', model.loss_fn)!r}, not "
+            "ds_vshape.hf.causal_lm_loss; each chunk's loss is its share of that loss, so pass the loss_fn "
+            "returned by pipeline_layers, or set pipeline.seq_chunks=1")
+    if model.activation_checkpoint_interval > 0:
+        raise ValueError(
+            f"{where}: activation_checkpoint_interval={model.activation_checkpoint_interval} is not supported: a "
+            "recomputation would run outside its chunk and lose the earlier chunks' keys/values; set "
+            "activation_checkpoint_interval=0 or pipeline.seq_chunks=1")
+
+
+class SeqChunks:
+    """Per-step chunk state of one rank; ``k == 1`` makes every method a no-op."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self.k = 1
+        self._states: dict[Key, ChunkKVState] = {}
+        self._ends: dict[Key, int] = {}  # where the stage's last chunk of the micro-batch ended
+        self._targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start_step(self, k: int) -> None:
+        """A new step of a schedule with ``k`` chunks; forgets what an interrupted step left."""
+        self.k = k
+        self._states.clear()
+        self._ends.clear()
+        self._targets.clear()
+
+    def pending(self) -> list[Key]:
+        return list(self._states)
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def _bounds(self, seq_len: int, what: str) -> tuple[int, ...]:
+        bounds = chunk_boundaries(seq_len, self.k)
+        if seq_len % self.k:
+            # One shape header per link and step: every chunk must have the same shape.
+            raise ValueError(f"pipeline rank {self._rank}: {what} has sequence length {seq_len}, which "
+                             f"pipeline.seq_chunks={self.k} does not divide; unequal chunks are not supported by the "
+                             "engine yet: pad or cut the sequences to a multiple of seq_chunks")
+        return bounds
+
+    def first_input(self, data: dict[int, Any], micro_batch: int, seq_chunk: int) -> Any:
+        """Stage 0's input of the unit: the loaded micro-batch, sliced to the chunk's positions."""
+        if self.k == 1 or seq_chunk == self.k - 1:
+            raw = data.pop(micro_batch)
+        else:
+            raw = data[micro_batch]
+        if self.k == 1:
+            return raw
+        tensors = raw if isinstance(raw, (tuple, list)) else (raw,)
+        bounds = self._bounds(tensors[0].shape[1], f"micro-batch {micro_batch}'s input")
+        start, end = bounds[seq_chunk], bounds[seq_chunk + 1]
+        sliced = tuple(t[:, start:end] if torch.is_tensor(t) and t.dim() >= 2 else t for t in tensors)
+        return sliced if isinstance(raw, (tuple, list)) else sliced[0]
+
+    def last_labels(self, labels: dict[int, Any], micro_batch: int, seq_chunk: int) -> Any:
+        """The last stage's labels of the unit: whole labels, or ``(targets slice, count)`` in chunks."""
+        if self.k == 1:
+            return labels.pop(micro_batch, None)
+        if seq_chunk == 0:
+            self._targets[micro_batch] = shifted_targets(labels.pop(micro_batch))
+        targets, count = self._targets[micro_batch]
+        bounds = self._bounds(targets.shape[-1], f"micro-batch {micro_batch}'s labels")
+        if seq_chunk == self.k - 1:
+            del self._targets[micro_batch]
+        return targets[..., bounds[seq_chunk]:bounds[seq_chunk + 1]], count
+
+    def loss(self, loss_fn: Any, outputs: Any, labels: Any) -> torch.Tensor:
+        """The unit's loss: the module's own, or in chunks the chunk's share of ``causal_lm_loss``."""
+        if self.k == 1:
+            return loss_fn(outputs, labels)
+        targets, count = labels
+        return causal_lm_chunk_loss(outputs, targets, count)
+
+    # ---- forward and backward -------------------------------------------------------------------
+    def forward(self, stage: int, micro_batch: int, seq_chunk: int, inputs: Any) -> AbstractContextManager[None]:
+        """The context of the unit's stage forward: ``seq_chunk`` over the positions of ``inputs``."""
+        if self.k == 1:
+            return nullcontext()
+        key = (stage, micro_batch)
+        first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        start = 0 if seq_chunk == 0 else self._ends[key]
+        end = start + first.shape[1]
+        self._ends[key] = end
+        state = self._states.setdefault(key, ChunkKVState())
+        if seq_chunk == 0 and state.num_chunks:
+            state = self._states[key] = ChunkKVState()
+        return chunk_context(state, start=start, end=end)
+
+    def backward_roots(self, stage: int, micro_batch: int, seq_chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Chunk ``seq_chunk``'s own K/V with the gradients later chunks left for them: extra roots."""
+        if self.k == 1:
+            return [], []
+        return self._states[(stage, micro_batch)].backward_roots(seq_chunk)
+
+    def release(self, stage: int, micro_batch: int, seq_chunk: int) -> None:
+        """After the unit's backward: drop what it kept (the whole state after chunk 0)."""
+        if self.k == 1:
+            return
+        key = (stage, micro_batch)
+        self._states[key].release(seq_chunk)
+        if seq_chunk == 0:
+            del self._states[key]
+            self._ends.pop(key, None)
