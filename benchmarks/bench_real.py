@@ -60,6 +60,8 @@ def build(schedule: str, args: argparse.Namespace, p: int) -> tuple[Any, Probe, 
     params = [q for q in module.parameters() if q.requires_grad]
     probe = Probe()
     engine, *_ = ds_vshape.initialize(model=module, model_parameters=params, config=config)
+    if hasattr(engine, "measure_memory"):
+        engine.measure_memory = True  # the table reports every step's peak, as for the stock engine
     instrument_engine(engine, probe, meter_forward=not hasattr(engine, "peak_activation_bytes"))
     tokens = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * args.seq_len
     return engine, probe, tokens

@@ -180,8 +180,9 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
             if id(mod) in seen:
                 continue
             seen.add(id(mod))
-            _route_forward(mod, store)
             own = list(mod.parameters(recurse=False))
+            if own:  # only modules that own parameters pay for the per-op routing
+                _route_forward(mod, store)
             path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
             for param in own:
                 if id(param) not in store._param_ids:
