@@ -41,6 +41,21 @@ def seq_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return _by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
 
 
+# The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation.py): the
+# chunked schedules' transfers, in the pair order lowering fixes, on a split and a V schedule.
+NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2-v-half-k2", "llama-zb-h1-k2")]
+
+
+@pytest.fixture(scope="module")
+def seq_results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl=True))
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in NCCL_CASES])
+def test_chunked_training_matches_model_under_nccl_rules(seq_results_nccl: dict, case: str) -> None:
+    _assert_parity(case, seq_results_nccl[case])
+
+
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases()])
 def test_chunked_training_matches_model(seq_results: dict, case: str) -> None:
     _assert_parity(case, seq_results[case])
