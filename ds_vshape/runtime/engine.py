@@ -236,7 +236,8 @@ class VShapeEngine(PipelineEngine):
         self._count_inflight()
 
     def _count_inflight(self) -> None:
-        # Transfer buffers are activation memory too; counted only while measuring (it walks them).
+        # Transfer buffers are counted beside the activations (peak_memory_bytes); only while
+        # measuring, since it walks every buffer in flight.
         if self._measuring:
             self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
 
