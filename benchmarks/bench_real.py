@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 status = f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s"
             print(f"[real p={p}] {system:9s} {name:14s} {status}  ({rec['wall_s']:.1f} s)", flush=True)
     dist.barrier()
+    dist.destroy_process_group()  # gloo's threads can abort the process at interpreter teardown
 
 
 if __name__ == "__main__":

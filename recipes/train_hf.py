@@ -406,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_out is not None:
             summary_path(args.metrics_out).write_text(json.dumps(asdict(summary), indent=1) + "\n")
     dist.barrier()
+    # Without this, gloo's threads can abort the process at interpreter teardown.
+    dist.destroy_process_group()
     return 0
 
 
