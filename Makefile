@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv test test-unit test-distributed test-gpu train bench clean-venv
+.PHONY: venv test test-unit test-distributed test-gpu train bench bench-seq bench-zero clean-venv
 
 venv: $(STAMP)
 
@@ -45,5 +45,14 @@ train: venv
 bench: venv
 	PATH="$(abspath $(BIN)):$$PATH" bash benchmarks/run.sh
 
+# Only the long-sequence table (Seq1F1B vs 1F1B, benchmarks/results/seq1f1b.md), about 4 minutes.
+bench-seq: venv
+	PATH="$(abspath $(BIN)):$$PATH" SYNC=0 SEQ=1 bash benchmarks/run.sh
+
 clean-venv:
 	rm -rf $(VENV)
+
+# ZeRO-2/3 in the pipeline: data-parallel bytes and calls per step, model states per rank
+# (benchmarks/results/zero.md), 4 CPU ranks, about a minute.
+bench-zero: venv
+	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29533 benchmarks/bench_zero.py

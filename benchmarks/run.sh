@@ -14,6 +14,8 @@
 # ASYNC (0; 1: also run the p=4 subset on the asynchronous emulated device and write
 # results/emulated_async.{md,json}; ASYNC_LATENCY_US=10 and ASYNC_BANDWIDTH_GBS=25 set its transfers),
 # SYNC (1; 0: skip every sync phase and report.py, so the committed sync results stay as they are).
+# SEQ (1: Seq1F1B k=2,4 against 1F1B at p=2 and p=4 on SEQ_LEN (1024) tokens, real compute, into
+# results/seq1f1b.md; alone, about 4 minutes: SYNC=0 SEQ=1 bash benchmarks/run.sh, or make bench-seq).
 # The async phase alone (about 4 minutes):  SYNC=0 ASYNC=1 bash benchmarks/run.sh
 # The machine should be otherwise idle: other load shows up as step time.
 set -euo pipefail
@@ -37,6 +39,8 @@ SYNC=${SYNC:-1}
 ASYNC=${ASYNC:-0}
 ASYNC_LATENCY_US=${ASYNC_LATENCY_US:-10}
 ASYNC_BANDWIDTH_GBS=${ASYNC_BANDWIDTH_GBS:-25}
+SEQ=${SEQ:-1}
+SEQ_LEN=${SEQ_LEN:-1024}
 RAW=benchmarks/results/raw
 
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -47,7 +51,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $SYNC == 1 ]]; then
     rm -rf "$RAW"
 else  # keep the sync run's raw lines (and its commit.txt) for report.py
-    rm -f "$RAW"/async_p*.jsonl "$RAW"/async_p*.log
+    rm -f "$RAW"/async_p*.jsonl "$RAW"/async_p*.log "$RAW"/seq_p*.jsonl "$RAW"/seq_p*.log
 fi
 mkdir -p "$RAW"
 record_commit() {  # the code measured: commit, and whether the runtime had uncommitted changes
@@ -56,6 +60,7 @@ record_commit() {  # the code measured: commit, and whether the runtime had unco
 }
 if [[ $SYNC == 1 ]]; then record_commit "$RAW/commit.txt"; fi
 if [[ $ASYNC == 1 ]]; then record_commit "$RAW/async_commit.txt"; fi
+if [[ $SEQ == 1 ]]; then record_commit "$RAW/seq_commit.txt"; fi
 
 free_port() {
     "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -71,7 +76,7 @@ phase() {
     before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
     timeout "$PHASE_TIMEOUT" "$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$(free_port)" \
         "$script" "$@" >"$log" 2>&1 || status=$?
-    grep -E '^\[(bench|real) ' "$log" || true
+    grep -E '^\[(bench|real|seq) ' "$log" || true
     echo "$before -> $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")" >"$RAW/load_$name.txt"
     if [[ $status -ne 0 ]]; then
         tail -n 30 "$log" >&2
@@ -109,6 +114,13 @@ if [[ $ASYNC == 1 ]]; then
         --bandwidth-gbs "$ASYNC_BANDWIDTH_GBS" --systems deepspeed ds_vshape torch \
         --schedules 1f1b zb-h2 v-zb v-half zbvzerobubble \
         --t-pass "$T_PASS" --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS" --micro-batches 16 8 --out "$RAW/async_p4.jsonl"
+fi
+if [[ $SEQ == 1 ]]; then
+    # Long sequences in real compute: memory per rank and step time (benchmarks/bench_seq.py).
+    phase seq_p2 2 benchmarks/bench_seq.py run --seq-len "$SEQ_LEN" --out "$RAW/seq_p2.jsonl"
+    phase seq_p4 4 benchmarks/bench_seq.py run --seq-len "$SEQ_LEN" --out "$RAW/seq_p4.jsonl"
+    "$PYTHON" benchmarks/bench_seq.py report "$RAW/seq_p2.jsonl" "$RAW/seq_p4.jsonl" --md benchmarks/results/seq1f1b.md \
+        --commit "$(tr '\n' ' ' <"$RAW/seq_commit.txt" | sed 's/ $//')"
 fi
 if [[ $SYNC == 1 ]]; then
     echo

@@ -17,13 +17,17 @@ from deepspeed import comm as ds_dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
+from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
+from .runtime.auto import AutoEngine
 from .runtime.engine import VShapeEngine
 from .runtime.carry import carry_weights
 from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
+from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
 from .runtime.seq_chunks import check_module as check_seq_chunk_module
+from .runtime.zero import check_zero_config
 from .schedules import Schedule, get_info
 
 __all__ = ["initialize"]
@@ -49,19 +53,20 @@ def initialize(
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
     _init_distributed(kwargs)
-    module, schedule = _prepare_module(model, vs, config_dict)
+    module, schedule = _prepare_module(model, vs, config_dict, training_data=training_data, collate_fn=kwargs.get("collate_fn"))
     if module is not model:
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
         release_stock_layers(model, module)  # after the groups and optimizer were mapped from it
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
     # The schedule is made here, once; the engine gets it, and the same generator for batch
     # ramp-up, but never the config itself.
-    engine = VShapeEngine(
+    auto = {"auto": vs.auto_settings(zero_stage=_zero_stage(config_dict))} if vs.schedule == "auto" else {}
+    engine = (AutoEngine if auto else VShapeEngine)(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
-        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory,
+        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -105,16 +110,12 @@ def _init_distributed(kwargs: dict[str, Any]) -> None:
     )
 
 
-def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[str, Any]) -> tuple[PipelineModule, Schedule]:
+def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[str, Any], *, training_data: Any = None,
+                    collate_fn: Any = None) -> tuple[PipelineModule, Schedule]:
     """Check everything that could later hang, make the schedule, re-place the layers for it."""
     p = model.num_stages
     micro_batches = _micro_batches(config, model)
-    zero = int(config.get("zero_optimization", {}).get("stage", 0))
-    info = get_info(vs.schedule)  # type: ignore[arg-type]
-    if zero not in info.zero_stages:  # the registry says which ZeRO stages a schedule runs with
-        allowed = ", ".join(str(z) for z in info.zero_stages)
-        raise ConfigError(f"zero_optimization.stage={zero} is not supported with schedule {info.name!r}: it runs with ZeRO "
-                          f"stages {allowed}; set zero_optimization.stage to one of them")
+    info = get_info(vs.first_schedule)  # for auto, the schedule it starts with
     if (config.get("torch_autocast") or {}).get("enabled"):
         # DeepSpeed enters autocast in DeepSpeedEngine.forward, which our stage forwards bypass:
         # the key would be silently ignored, so refuse it.
@@ -127,6 +128,11 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         schedule = vs.make_schedule(p, micro_batches, check=False)
     except ValueError as err:
         raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
+    try:  # the registry says which ZeRO stages a schedule runs with
+        check_zero_config(config, schedule=info.name, allowed=info.zero_stages, seq_chunks=schedule.seq_chunks,
+                          tied=any(isinstance(spec, TiedLayerSpec) for spec in model._layer_specs))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence
         try:
             check_seq_chunk_module(model, schedule.seq_chunks, info.name)
@@ -141,10 +147,20 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         method = vs.partition_method or stock_partition_method(model, schedule.num_model_stages)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method)
+    profile = None
+    if method == "profile":  # measured on this job's layers and a sample micro-batch (runtime/profile.py)
+        profile = profiled_cut(model, schedule, vs, config=config, training_data=training_data, collate_fn=collate_fn)
+    module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method,
+                                   stage_parts=None if profile is None else profile.cut.parts)
+    if profile is not None:
+        module.vs_profile = profile  # what the cut was made from, for the user and the tests
     if module is not model:
         carry_weights(model, module)  # the stock module's weights, also those held by another rank
     return module, schedule
+
+
+def _zero_stage(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
 class _DataParallel:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from .schedules.costs import Costs
 from .schedules.ir import Schedule
+from .schedules.lowering import lower
+from .schedules.ops import format_ops
 from .schedules.registry import GeneratorInfo, generate, get_info, schedule_names
 from .schedules.seq_partition import MODES, chunk_boundaries, chunk_costs, chunk_lengths
 from .schedules.render import (
@@ -74,6 +76,8 @@ def build_parser(*, prog: str = "ds-vshape") -> argparse.ArgumentParser:
     sim.add_argument("--width", type=int, metavar="N", help="characters of the ASCII timeline (default: fit passes, at most 160)")
     sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG timeline (needs matplotlib)")
     sim.add_argument("--trace", type=Path, metavar="FILE.json", help="write a Chrome trace (open in ui.perfetto.dev)")
+    sim.add_argument("--ops", type=int, metavar="RANK", help="also print the operations pipeline rank RANK executes per step "
+                     "(lowered: transfers, ZeRO's reduce_stage_grads and gather_params/release_params, the step tail)")
     _add_seq_partition_options(sim)
     sim.set_defaults(handler=_cmd_simulate)
 
@@ -184,6 +188,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(rank_rows(result, baseline))
     print()
     print(ascii_timeline(result, schedule, width=args.width))
+    if args.ops is not None:
+        if not 0 <= args.ops < schedule.stages:
+            raise ValueError(f"--ops must name a pipeline rank in 0..{schedule.stages - 1}, got {args.ops}")
+        print()
+        print(format_ops(lower(schedule, args.ops)))
     _write_outputs(args, result, schedule)
     return 0
 

@@ -8,11 +8,13 @@ of ours or one DeepSpeed knows; anything else is an error that suggests the clos
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .schedules import Costs, Schedule, generate, get_info
+from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options
+from .tuning import ProfileSample
 
 __all__ = ["PipelineConfig", "parse_pipeline_config", "ConfigError"]
 
@@ -31,13 +33,34 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: str | None = Field(None, description="Schedule name (see `ds-vshape list`); absent means stock DeepSpeed 1F1B.")
+    schedule: str | None = Field(None, description="Schedule name (see `ds-vshape list`), or 'auto' (measure, then pick the "
+                                 "fastest of auto_placement's schedules within memory_limit); absent means stock DeepSpeed 1F1B.")
     chunks: int | None = Field(None, ge=1, description="Model stages per rank for interleaved / breadth-first (V schedules always use 2).")
     seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k > 1 only for models built with ds_vshape.hf.pipeline_layers (sequence length a multiple of k, no activation checkpointing).")
-    memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto).")
+    memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto, auto).")
+    memory_limit_bytes: float | None = Field(
+        None, gt=0, description="auto only: activation memory limit per rank in bytes, against the measured bytes per pass "
+        "(instead of memory_limit in M_B).")
+    auto_placement: Literal["linear", "v", "looped"] | None = Field(
+        None, description="auto only: the placement the layers are cut for, and so the family auto picks from: 'linear' "
+        "(1f1b, zb-h1, zb-h2, zb-auto, ...), 'v' (v-min, v-half, v-zb, v-adaptive; the default) or 'looped' (interleaved, "
+        "breadth-first; chunks per rank from chunks).")
+    auto_warmup_steps: int | None = Field(
+        None, ge=1, description="auto only: train_batch calls run with the placement's safe schedule (zb-h1, v-min or "
+        "interleaved) before the choice (default 2). They time every pass, except the last, which runs plain to time the "
+        "step, and the first when there are three or more (it pays one-time costs).")
+    auto_candidates: tuple[str, ...] | None = Field(
+        None, min_length=1, description="auto only: the schedules it may pick (all of the placement's when absent).")
     partition_method: str | None = Field(
-        None, description="How layers are cut into stages: 'parameters', 'uniform' or 'type:<regex>'; absent means the "
+        None, description="How layers are cut into stages: 'parameters', 'uniform', 'type:<regex>' or 'profile' (measured "
+        "time and memory per layer, on training_data's first micro-batch or profile_sample); absent means the "
         "stock PipelineModule's own partition_method (DeepSpeed's default there is 'parameters').")
+    profile_sample: ProfileSample | None = Field(
+        None, description="The micro-batch partition_method 'profile' measures on when training_data is not passed to "
+        "initialize: {\"inputs\": {\"shape\": [rows, ...], \"dtype\": ..., \"high\": ...}, \"labels\": ...}.")
+    profile_time_slack: float = Field(
+        0.02, ge=0, description="partition_method 'profile': among the cuts whose busiest rank is within this share of the "
+        "least busiest-rank time (0.02: measurement noise), the one whose busiest rank holds the least memory.")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive may take before the step fails with a named error.")
     measure_memory: bool = Field(
         False,
@@ -56,29 +79,49 @@ class PipelineConfig(BaseModel):
         if self.schedule is None:
             raise ValueError("pipeline.schedule is not set")
         return generate(
-            self.schedule, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks,
-            memory_limit=self.memory_limit, costs=Costs(w_memory=self.w_memory), check=check,
+            self.first_schedule, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks,
+            memory_limit=None if self.schedule == "auto" else self.memory_limit,  # auto: for the pick, not the safe schedule
+            costs=Costs(w_memory=self.w_memory), check=check,
         )
 
     @field_validator("schedule")
     @classmethod
     def _known_schedule(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
+        if value is None or value.lower() == "auto":  # auto is not a generator: it picks one (schedules/auto.py)
+            return None if value is None else "auto"
         return get_info(value).name  # raises with the list of valid names
+
+    @property
+    def first_schedule(self) -> str:
+        """The schedule the engine starts with: for auto, its placement's safe schedule."""
+        return SAFE[self.auto_placement or "v"] if self.schedule == "auto" else str(self.schedule)
+
+    def auto_settings(self, *, zero_stage: int) -> AutoSettings:
+        """What auto chooses from and within, for the engine (which does not read the config)."""
+        return AutoSettings(placement=self.auto_placement or "v", warmup_steps=self.auto_warmup_steps or 2,
+                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
+                            memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
+                            w_memory=self.w_memory, zero_stage=zero_stage)
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:
+        for key in ("profile_sample", "profile_time_slack"):
+            if key in self.model_fields_set and self.partition_method != "profile":
+                raise ValueError(f"pipeline.{key} applies only with pipeline.partition_method 'profile'; set that or remove it")
         if self.schedule is None:
-            extra = [k for k in ("chunks", "seq_chunks", "memory_limit") if getattr(self, k) is not None]
+            extra = [k for k in ("chunks", "seq_chunks", "memory_limit", *AUTO_KEYS) if getattr(self, k) is not None]
+            extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self
-        info = get_info(self.schedule)
+        check_auto_options(self.schedule, placement=self.auto_placement, warmup_steps=self.auto_warmup_steps,
+                           names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks,
+                           memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes)
+        info = get_info(self.first_schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
             raise ValueError(f"pipeline.seq_chunks applies only to the schedules that cut sequences (`ds-vshape list` shows --seq-chunks), not {self.schedule!r}; remove it or pick one of those")
-        if self.memory_limit is not None and not info.memory_limit:
+        if self.memory_limit is not None and not info.memory_limit and self.schedule != "auto":
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self
 
@@ -97,5 +140,8 @@ def parse_pipeline_config(config: dict[str, Any]) -> PipelineConfig:
         return PipelineConfig(**{k: v for k, v in block.items() if k in ours})
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "pipeline"
-        raise ConfigError(f"pipeline.{where}: {first['msg']}".replace("Value error, ", "")) from None
+        # A union's member shows in the location as "function-after[...]": not a key the user wrote.
+        where = ".".join(str(p) for p in first["loc"] if "[" not in str(p))
+        message = first["msg"].replace("Value error, ", "")
+        # A rule across keys has no location; its message names the keys itself.
+        raise ConfigError(f"pipeline.{where}: {message}" if where else message) from None

@@ -49,7 +49,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfi
 import ds_vshape  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
-from ds_vshape.schedules import Schedule, generate, simulate  # noqa: E402
+from ds_vshape.schedules import Schedule, generate, get_info, simulate  # noqa: E402
 
 __all__ = [
     "ByteTokenizer",
@@ -60,6 +60,7 @@ __all__ = [
     "StepRecord",
     "batches",
     "build_parser",
+    "check_seq_len",
     "load_tokens",
     "main",
     "preset_config",
@@ -267,6 +268,26 @@ def read_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def check_seq_len(config: dict[str, Any], seq_len: int, source: str) -> None:
+    """Refuse a ``--seq-len`` that the schedule's sequence chunks cannot cut into equal pieces.
+
+    The engine would find out only inside the first step, on the first rank, while the others
+    wait for its activations; here every rank stops before building anything.
+    """
+    parsed = parse_pipeline_config(config)
+    if parsed.schedule is None:
+        return
+    default = get_info(parsed.schedule).default_seq_chunks
+    k = parsed.seq_chunks or default
+    if k > 1 and seq_len % k:
+        which = f"pipeline.seq_chunks={k}" + ("" if parsed.seq_chunks else f" ({parsed.schedule}'s default)")
+        below, above = seq_len - seq_len % k, seq_len - seq_len % k + k
+        options = f"--seq-len {below} or {above}" if below else f"--seq-len {above}"
+        raise SystemExit(f"train_hf.py: --seq-len {seq_len} is not a multiple of {which} in {source}: the engine cuts "
+                         f"every sequence into {k} equal chunks; use {options}, or set pipeline.seq_chunks to a divisor "
+                         f"of {seq_len}")
+
+
 def resume(engine: Any, directory: Path | None) -> int:
     """Load a checkpoint; returns the step it was saved at (0 without --resume)."""
     if directory is None:
@@ -295,7 +316,8 @@ class Job:
 
 
 def setup(args: argparse.Namespace) -> Job:
-    read_config(args)  # fails early, on every rank alike, for a bad config
+    # Fails early, on every rank alike, for a bad config or a --seq-len it cannot cut.
+    check_seq_len(read_config(args), args.seq_len, args.deepspeed_config)
     world = dist.get_world_size()
     tokenizer = tokenizer_for(args.model)
     train_ids, val_ids = load_tokens(args.data, tokenizer)

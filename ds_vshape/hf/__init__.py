@@ -61,6 +61,7 @@ Layout: ``loss`` (the loss), ``tracing`` (the meta-device trace and the
 recipes that replay its calls), ``analysis`` (the model's anatomy and the
 checks that refuse unsupported models), ``semantics`` (the LM-head/loss
 check), ``weights`` (checkpoint reading, materialising, per-layer loading),
+``kv_buffer`` (one K/V buffer per layer for a micro-batch's chunks),
 ``attention`` (sequence chunks), ``layers`` (the layer classes and
 ``pipeline_layers``); each depends only on those before it.
 """

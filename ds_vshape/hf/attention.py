@@ -13,16 +13,23 @@ a model with a KV cache of ``start`` tokens: a ``Cache`` stand-in is passed as
 ``past_key_values`` (so positions, rotary and learned position embeddings
 start at ``start``, and the mask builders make the bottom-right aligned causal
 or sliding-window mask of ``end - start`` query rows by ``end`` key columns),
-and the 2-D padding mask is that of positions ``[0, end)``.
+and the 2-D padding mask is that of positions ``[0, end)``.  Under SDPA, a plain causal
+mask (no padding, no sliding window) is passed as ``causal_lower_right`` instead of
+a materialised one: CUDA kernels then need no mask at all, and elsewhere it is one
+``(queries, keys)`` matrix instead of one per row of the batch that SDPA keeps for
+backward in every layer.
 
 Each attention layer's new K/V (what HF hands to ``past_key_values.update``:
-after rotary, before the grouped-query repeat) is kept twice: the graph-connected
-tensors, for chunk ``j``'s own backward, and a detached leaf (same storage) that
-later chunks concatenate in front of theirs, so their backward fills its
-``.grad``.  Backward therefore runs chunks in descending order, and chunk ``j``
-passes ``state.backward_roots(j)`` as extra roots to ``torch.autograd.backward``
-so those gradients flow on into its own graph; ``state.release(j)`` then drops
-what chunk ``j`` kept.  Outside a ``seq_chunk`` context nothing changes.
+after rotary, before the grouped-query repeat) is written into one buffer per
+layer (``kv_buffer``), and the chunk attends to the buffer's positions ``[0, end)``,
+so backward keeps the keys and values once, as the unchunked model does.  The
+state keeps, per chunk, a detached leaf viewing its positions, whose ``.grad``
+the later chunks' backward fills, and the gradient edge of the graph-connected
+K/V, for chunk ``j``'s own backward.  Backward therefore runs chunks in
+descending order, and chunk ``j`` passes ``state.backward_roots(j)`` as extra
+roots to ``torch.autograd.backward`` so those gradients flow on into its own
+graph; ``state.release(j)`` then drops what chunk ``j`` kept.  Outside a
+``seq_chunk`` context nothing changes.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.nn.attention.bias import causal_lower_right
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .tracing import _Arg, _Kind, _Recipe, _Runtime
+from .kv_buffer import KVBuffer
+from .tracing import _Arg, _Kind, _MaskRecipe, _Recipe, _Runtime
 
 __all__ = [
     "ChunkKVState",
@@ -55,11 +65,12 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass
 class _KV:
-    """One attention layer's K/V of one chunk: the graph-connected tensors and their detached leaves."""
+    """One attention layer's K/V of one chunk: where their gradients enter its graph, and their leaves."""
 
-    key: torch.Tensor | None  # None when the chunk ran without autograd
-    value: torch.Tensor | None
-    leaf_key: torch.Tensor
+    # Edges, not the tensors: the tensors' values live on in the layer's buffer.
+    key: GradientEdge | None  # None when the chunk ran without autograd
+    value: GradientEdge | None
+    leaf_key: torch.Tensor  # views of the buffers, detached
     leaf_value: torch.Tensor
 
 
@@ -81,6 +92,8 @@ class ChunkKVState:
         self._bounds: list[tuple[int, int]] = []
         self._released: set[int] = set()
         self._kv: dict[int, dict[int, _KV]] = {}
+        self._buffers: dict[int, tuple[KVBuffer, KVBuffer]] = {}  # per layer: keys, values
+        self._capacity = 0  # positions to allocate per buffer: the whole sequence when known
         self._key_masks: dict[int, torch.Tensor] = {}
         self._closed = False
 
@@ -89,10 +102,10 @@ class ChunkKVState:
         """Chunks that ran forward since the last reset."""
         return len(self._bounds)
 
-    def backward_roots(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def backward_roots(self, chunk: int) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Extra ``(tensors, grad_tensors)`` for ``torch.autograd.backward`` of ``chunk``.
 
-        They are chunk ``chunk``'s own K/V tensors with the gradients that the
+        They are the gradient edges of chunk ``chunk``'s own K/V with the gradients that the
         later chunks' backward accumulated into their detached copies (pairs
         without any gradient are left out: a zero gradient adds nothing).
         Raises ``RuntimeError`` when a later chunk has not run (and released)
@@ -100,7 +113,7 @@ class ChunkKVState:
         """
         self._check_backward_order(chunk, "backward")
         self._closed = True
-        tensors: list[torch.Tensor] = []
+        tensors: list[GradientEdge] = []
         grads: list[torch.Tensor] = []
         for kv in self._kv.get(chunk, {}).values():
             for live, leaf in ((kv.key, kv.leaf_key), (kv.value, kv.leaf_value)):
@@ -131,6 +144,8 @@ class ChunkKVState:
         self._kv.pop(chunk, None)
         self._key_masks.pop(chunk, None)
         self._released.add(chunk)
+        if not self._kv:  # every chunk released: no view of the buffers is needed any more
+            self._buffers.clear()
 
     def _check_backward_order(self, chunk: int, what: str) -> None:
         if not 0 <= chunk < len(self._bounds):
@@ -145,12 +160,18 @@ class ChunkKVState:
                 "order and release each chunk after its backward"
             )
 
-    def _begin(self, start: int, end: int) -> int:
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """What the state holds for the chunks that did not release yet: the K/V buffers and key masks."""
+        buffers = [b.data for pair in self._buffers.values() for b in pair if b.data is not None]
+        return buffers + list(self._key_masks.values())
+
+    def _begin(self, start: int, end: int, total: int | None = None) -> int:
         """Register a chunk's forward; returns its index."""
         if not 0 <= start < end:
             raise ValueError(f"a sequence chunk needs 0 <= start < end, got [{start}, {end})")
         if start == 0:
             self._reset()
+            self._capacity = max(total or end, end)
         elif self._closed:
             raise RuntimeError(f"chunk [{start}, {end}) runs forward after a backward began on this state")
         elif not self._bounds or self._bounds[-1][1] != start:
@@ -177,12 +198,14 @@ class ChunkKVState:
             if layer not in self._kv.get(previous, {}):
                 raise RuntimeError(f"attention layer {layer} did not run in chunk {previous}; no keys/values to attend")
             earlier.append(self._kv[previous][layer])
-        grad = key.requires_grad or value.requires_grad
-        # Detached leaves share storage with the live tensors: no copy.
-        leaf_key, leaf_value = key.detach().requires_grad_(grad), value.detach().requires_grad_(grad)
-        kept[layer] = _KV(key if grad else None, value if grad else None, leaf_key, leaf_value)
-        keys = torch.cat([*(kv.leaf_key for kv in earlier), key], dim=-2)
-        values = torch.cat([*(kv.leaf_value for kv in earlier), value], dim=-2)
+        start, end = self._bounds[chunk]
+        if key.shape[-2] != end - start or value.shape[-2] != end - start:
+            raise RuntimeError(f"attention layer {layer} gave keys/values of {key.shape[-2]} positions in chunk {chunk} "
+                               f"[{start}, {end})")
+        key_buffer, value_buffer = self._buffers.setdefault(layer, (KVBuffer(), KVBuffer()))
+        keys, leaf_key = key_buffer.append(key, start, end, self._capacity, [kv.leaf_key for kv in earlier])
+        values, leaf_value = value_buffer.append(value, start, end, self._capacity, [kv.leaf_value for kv in earlier])
+        kept[layer] = _KV(_edge(key), _edge(value), leaf_key, leaf_value)
         return keys, values
 
     def _prefix_key_mask(self, chunk: int, key_mask: torch.Tensor) -> torch.Tensor:
@@ -196,6 +219,10 @@ class ChunkKVState:
         if missing:
             raise RuntimeError(f"no padding mask recorded for chunk(s) {missing} on this stage")
         return torch.cat([*(self._key_masks[i].to(key_mask.device) for i in range(chunk)), key_mask], dim=-1)
+
+
+def _edge(tensor: torch.Tensor) -> GradientEdge | None:
+    return get_gradient_edge(tensor) if tensor.requires_grad else None
 
 
 # ------------------------------------------------------------------ the context
@@ -246,18 +273,20 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("ds_vsh
 
 
 @contextlib.contextmanager
-def seq_chunk(state: ChunkKVState, *, start: int, end: int) -> Iterator[None]:
+def seq_chunk(state: ChunkKVState, *, start: int, end: int, total: int | None = None) -> Iterator[None]:
     """Run the ``ds_vshape.hf`` layers called inside on positions ``[start, end)`` of a micro-batch.
 
     The layers' inputs must then hold exactly those ``end - start``
     positions; attention also reads the keys/values that ``state`` kept from
-    the earlier chunks of the same micro-batch on this stage.  Contexts do
-    not nest.  Layers of a model that cannot be chunked exactly raise
-    ``ValueError`` naming the model type and the reason.
+    the earlier chunks of the same micro-batch on this stage.  ``total``, given
+    with the first chunk, is the micro-batch's whole length: the K/V buffers are
+    then made once (without it, each later chunk moves them to a longer one).
+    Contexts do not nest.  Layers of a model that cannot be chunked exactly
+    raise ``ValueError`` naming the model type and the reason.
     """
     if _ACTIVE.get() is not None:
         raise RuntimeError("seq_chunk contexts do not nest")
-    chunk = state._begin(start, end)
+    chunk = state._begin(start, end, total)
     token = _ACTIVE.set(_Active(state, chunk, start, end, _ChunkCache(state, chunk=chunk, start=start)))
     try:
         yield
@@ -268,9 +297,9 @@ def seq_chunk(state: ChunkKVState, *, start: int, end: int) -> Iterator[None]:
 class _ChunkRuntime(_Runtime):
     """Resolves recipe arguments as transformers would with a cache of ``start`` tokens."""
 
-    def __init__(self, active: _Active, *, block: str | None, **kwargs: Any) -> None:
+    def __init__(self, active: _Active, *, block: str | None, sdpa: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._active, self._block, self._depth = active, block, 0
+        self._active, self._block, self._depth, self._sdpa = active, block, 0, sdpa
         reference = kwargs.get("hidden") if kwargs.get("hidden") is not None else kwargs.get("input_ids")
         length = active.end - active.start
         if reference is not None and reference.shape[1] != length:
@@ -301,7 +330,21 @@ class _ChunkRuntime(_Runtime):
             return positions.unsqueeze(0) if arg.kind is _Kind.POSITIONS else positions
         if arg.kind is _Kind.KEY_MASK and self._key_mask is not None:
             return active.state._prefix_key_mask(active.chunk, self._key_mask)
+        if arg.kind is _Kind.MASK and self._sdpa and _plain_causal(arg.value):
+            # HF would materialise a [batch, 1, queries, keys] mask, which SDPA saves for backward
+            # in every layer: with long sequences more than the chunk's other activations.
+            return self._once(arg.value, lambda: causal_lower_right(active.end - active.start, active.end))
         return super()._resolve(arg)
+
+
+def _plain_causal(mask: _MaskRecipe) -> bool:
+    """Whether the builder makes nothing but the causal mask: no padding, no window, no extra mask functions."""
+    if getattr(mask.builder, "__name__", "") != "create_causal_mask":
+        return False
+    args = (*mask.recipe.positional, *mask.recipe.keyword)
+    if any(arg.kind is _Kind.KEY_MASK for arg in args):
+        return False
+    return all(arg.value is None for arg in args if arg.name in ("or_mask_function", "and_mask_function"))
 
 
 def _runtime(config: PretrainedConfig, block: _Recipe | None, **kwargs: Any) -> _Runtime:
@@ -317,7 +360,8 @@ def _runtime(config: PretrainedConfig, block: _Recipe | None, **kwargs: Any) -> 
     if reason is not None:
         raise ValueError(f"model type {model_type!r} cannot run in sequence chunks: {reason}")
     where = f"model type {model_type!r} decoder block" if block is not None else None
-    return _ChunkRuntime(active, block=where, **kwargs)
+    sdpa = getattr(config.get_text_config(), "_attn_implementation", None) == "sdpa"
+    return _ChunkRuntime(active, block=where, sdpa=sdpa, **kwargs)
 
 
 def _chunk_refusal(config: PretrainedConfig, block: _Recipe | None) -> str | None:

@@ -29,6 +29,8 @@ from .memory import ActivationMeter
 from .precision import agree_on_overflow, check_overflow_group, scale_loss
 from .seq_chunks import SeqChunks
 from .split_backward import WeightGradStore, enable_split_backward
+from .zero import whole_parameters
+from .zero_engine import ZeroPipelineMixin
 
 __all__ = ["VShapeEngine"]
 
@@ -36,7 +38,7 @@ log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 Unit = tuple[int, int, int]
 
 
-class VShapeEngine(PipelineEngine):
+class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
@@ -73,6 +75,7 @@ class VShapeEngine(PipelineEngine):
         )
         self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
         self._seq = SeqChunks(self.stage_id)
+        self._zero_reducer = self._stage_grad_reducer()
         self._reset_step_state()
 
     def _check_schedule(self, schedule: Schedule) -> None:
@@ -143,6 +146,8 @@ class VShapeEngine(PipelineEngine):
         self._meter.reset_peak()
         self.tput_timer.start()
         self._p2p.start_step()
+        if self._zero_reducer is not None:
+            self._zero_reducer.start_step()
         try:
             super()._exec_schedule(pipe_schedule)
             self._p2p.drain()
@@ -317,7 +322,9 @@ class VShapeEngine(PipelineEngine):
 
     # ---- checkpoints: optimizer state by global layer and name (see runtime/checkpoint.py) ----
     def _save_checkpoint(self, save_dir: str, tag: Any, client_state: Any = None, exclude_frozen_parameters: bool = False) -> None:
-        super()._save_checkpoint(save_dir, tag, client_state=client_state or {}, exclude_frozen_parameters=exclude_frozen_parameters)
+        # The layer files take each parameter whole: under ZeRO-3 they would be saved as empty shards.
+        with whole_parameters(self, modify=False):
+            super()._save_checkpoint(save_dir, tag, client_state=client_state or {}, exclude_frozen_parameters=exclude_frozen_parameters)
         ckpt.save(self, save_dir, tag)
 
     # DeepSpeed's signature, positional arguments included: callers of deepspeed's engine call it so.
@@ -325,6 +332,7 @@ class VShapeEngine(PipelineEngine):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Any = None) -> tuple[Any, Any]:
         """DeepSpeed's load; optimizer state saved under another schedule or p is mapped by layer, or refused."""
+        self._refuse_zero3_weights_only(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only)
         return ckpt.load(self, super().load_checkpoint, load_dir, tag, load_optimizer_states=load_optimizer_states,
                          load_module_only=load_module_only, load_module_strict=load_module_strict,
                          load_lr_scheduler_states=load_lr_scheduler_states, custom_load_fn=custom_load_fn)
@@ -342,6 +350,7 @@ class VShapeEngine(PipelineEngine):
         ins.BackwardWeight: _exec_backward_weight,
         ins.FusedBackward: _exec_fused_backward,
         ins.SendGrad: _exec_send_grad,
+        **ZeroPipelineMixin.INSTRUCTIONS,
     }
 
 

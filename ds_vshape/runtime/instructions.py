@@ -16,7 +16,9 @@ from ..schedules.lowering import Op, OpKind, lower
 
 __all__ = [
     "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",
-    "RecvGrad", "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "IRSchedule", "to_instruction",
+    "RecvGrad", "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "ReduceStageGrads", "GatherParams",
+    "ReleaseParams", "IRSchedule",
+    "to_instruction",
 ]
 
 
@@ -76,6 +78,23 @@ class SendGrad(_CommInstruction):
     pass
 
 
+class _StageInstruction(ds_schedule.PipeInstruction):
+    def __init__(self, stage: int) -> None:
+        super().__init__(stage=stage)
+
+
+class ReduceStageGrads(_StageInstruction):
+    """A stage's gradients are final for the step: its data-parallel reduce may start."""
+
+
+class GatherParams(_StageInstruction):
+    """A run of one stage's passes in one direction starts: its weights, whole (ZeRO-3)."""
+
+
+class ReleaseParams(_StageInstruction):
+    """That run ended: the stage's weights back to shards (ZeRO-3)."""
+
+
 _CLASSES: dict[OpKind, type[ds_schedule.PipeInstruction]] = {
     OpKind.LOAD: LoadMicroBatch,
     OpKind.POST_ACT: PostRecvActivation,
@@ -88,6 +107,9 @@ _CLASSES: dict[OpKind, type[ds_schedule.PipeInstruction]] = {
     OpKind.BACKWARD_WEIGHT: BackwardWeight,
     OpKind.BACKWARD: FusedBackward,
     OpKind.SEND_GRAD: SendGrad,
+    OpKind.REDUCE_STAGE_GRADS: ReduceStageGrads,
+    OpKind.GATHER_PARAMS: GatherParams,
+    OpKind.RELEASE_PARAMS: ReleaseParams,
     OpKind.REDUCE_TIED_GRADS: ds_schedule.ReduceTiedGrads,
     OpKind.REDUCE_GRADS: ds_schedule.ReduceGrads,
     OpKind.OPTIMIZER_STEP: ds_schedule.OptimizerStep,
@@ -105,6 +127,8 @@ def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
         return cls(**unit, header=op.header)
     if issubclass(cls, _UnitInstruction):
         return cls(**unit)
+    if issubclass(cls, _StageInstruction):
+        return cls(stage=op.stage)
     return cls()
 
 

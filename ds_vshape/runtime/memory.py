@@ -3,8 +3,9 @@
 Saved-tensor hooks see every tensor an op keeps for its backward. We count each storage
 once (several ops often save the same input), skip parameters (they are not activations),
 and take the bytes off again when autograd releases the saved tensor. Weight-gradient work
-parked by split backward is added by the engine (``set_extra``), since it is activation
-memory too. Transfer buffers still in flight (``source="p2p"``) are counted beside it:
+parked by split backward, and the keys/values a stage keeps for a micro-batch's later
+sequence chunks where autograd does not hold them, are added by the engine (``set_extra``),
+since they are activation memory too. Transfer buffers still in flight (``source="p2p"``) are counted beside it:
 ``peak_bytes`` is the activations the schedule plans for, ``peak_total_bytes`` adds the
 transfer buffers held at the same moment.
 """
@@ -34,14 +35,14 @@ class ActivationMeter:
         self._param_ptrs = param_ptrs
         self._refs: dict[int, int] = {}
         self.live_bytes = 0
-        self._extra: dict[str, int] = {}  # "parked" weight-gradient inputs, "p2p" transfer buffers
+        self._extra: dict[str, int] = {}  # "parked" weight-gradient inputs, "kv" chunk K/V, "p2p" transfer buffers
         self.peak_bytes = 0
         self.peak_total_bytes = 0
 
     @property
     def extra_bytes(self) -> int:
-        """Activation bytes held outside autograd's saved tensors (parked for W)."""
-        return self._extra.get("parked", 0)
+        """Activation bytes held outside autograd's saved tensors (parked for W, K/V kept for later chunks)."""
+        return self._extra.get("parked", 0) + self._extra.get("kv", 0)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes + self.extra_bytes

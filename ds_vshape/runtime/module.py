@@ -33,13 +33,17 @@ class PipelineModule(_DSPipelineModule):
     """
 
     def __init__(self, layers: Sequence[Any], *, placement: Sequence[int] | None = None,
-                 prebuilt: Mapping[str, nn.Module] | None = None, **kwargs: Any) -> None:
+                 prebuilt: Mapping[str, nn.Module] | None = None, stage_parts: Sequence[int] | None = None,
+                 **kwargs: Any) -> None:
         """``prebuilt`` maps a unit name (``"3"`` for layer 3, ``"tied_modules.<key>"``) to a module
         already built for it (by the stock module this one replaces): it is used instead of
-        building the LayerSpec again, so its weights and its parameter objects carry over."""
+        building the LayerSpec again, so its weights and its parameter objects carry over.
+        ``stage_parts``: the cut itself (stage s holds layers ``stage_parts[s]`` up to
+        ``stage_parts[s+1]``), as ``partition_method="profile"`` measured it; it overrides the method."""
         # DeepSpeed's __init__ calls our _partition_layers/_build before returning, so the
         # placement must be in place first; nn.Module.__init__ has not run yet, hence object.__setattr__.
         object.__setattr__(self, "_vs_placement", tuple(placement) if placement is not None else None)
+        object.__setattr__(self, "_vs_stage_parts", list(stage_parts) if stage_parts is not None else None)
         object.__setattr__(self, "_vs_prebuilt", dict(prebuilt or {}))
         super().__init__(layers, **kwargs)
         self._vs_prebuilt = {}  # only needed while building; do not keep the stock modules alive through it
@@ -58,7 +62,9 @@ class PipelineModule(_DSPipelineModule):
                 "use fewer pipeline stages or chunks, or split the model into more layers"
             )
         self._vs_partition_method = method
-        self.stage_parts = _partition(self, method.lower(), num_model_stages)
+        given = self._vs_stage_parts
+        self.stage_parts = _checked_parts(given, len(self._layer_specs), num_model_stages) if given is not None else \
+            _partition(self, method.lower(), num_model_stages)
         rank = self._topo.get_coord(self.global_rank).pipe
         self.local_stages = [s for s, r in enumerate(self.placement) if r == rank]
         self.local_layer_ids = [i for s in self.local_stages for i in range(self.stage_parts[s], self.stage_parts[s + 1])]
@@ -170,10 +176,20 @@ def _partition(module: PipelineModule, method: str, parts: int) -> list[int]:
         for idx in module._find_layer_type(method.split(":", 1)[1]):
             weights[idx] = 1
         return ds_utils.partition_balanced(weights=weights, num_parts=parts)
-    raise ValueError(f"partition_method {method!r} is not supported; use 'uniform', 'parameters' or 'type:<regex>'")
+    if method == "profile":
+        raise ValueError("partition_method 'profile' cuts by measured costs: set it as pipeline.partition_method in the config "
+                         "and build the engine with ds_vshape.initialize (which measures), or pass stage_parts= to PipelineModule")
+    raise ValueError(f"partition_method {method!r} is not supported; use 'uniform', 'parameters', 'type:<regex>' or 'profile'")
 
 
-def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *, partition_method: str | None = None) -> PipelineModule:
+def _checked_parts(parts: Sequence[int], layers: int, stages: int) -> list[int]:
+    if len(parts) != stages + 1 or parts[0] != 0 or parts[-1] != layers or any(a >= b for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"stage_parts {list(parts)} must rise strictly from 0 to {layers} (the layers) in {stages} steps (the stages)")
+    return list(parts)
+
+
+def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *, partition_method: str | None = None,
+                          stage_parts: Sequence[int] | None = None) -> PipelineModule:
     """Rebuild a stock PipelineModule for a placement, from the same layer list and settings.
 
     ``partition_method`` None keeps the stock module's own (see ``stock_partition_method``).
@@ -182,12 +198,13 @@ def from_deepspeed_module(module: _DSPipelineModule, placement: Sequence[int], *
     here is built from its LayerSpec, and ``carry_weights`` then copies in the values of the
     rank that held it, so nothing the stock module held is lost.
     """
-    if isinstance(module, PipelineModule) and tuple(module.placement) == tuple(placement):
+    if isinstance(module, PipelineModule) and tuple(module.placement) == tuple(placement) and \
+            (stage_parts is None or list(stage_parts) == list(module.stage_parts)):
         return module
     prebuilt: dict[str, nn.Module] = {name: m for name, m in module._modules.items() if name.isdigit()}
     prebuilt.update({f"tied_modules.{key}": m for key, m in module.tied_modules.items()})
     with _stock_groups(module):
-        return _recut(module, placement, prebuilt, partition_method)
+        return _recut(module, placement, prebuilt, partition_method, stage_parts)
 
 
 @contextmanager
@@ -228,11 +245,12 @@ def release_stock_layers(stock: _DSPipelineModule, recut: _DSPipelineModule) -> 
 
 
 def _recut(module: _DSPipelineModule, placement: Sequence[int], prebuilt: dict[str, nn.Module],
-           partition_method: str | None) -> PipelineModule:
+           partition_method: str | None, stage_parts: Sequence[int] | None = None) -> PipelineModule:
     return PipelineModule(
         module._layer_specs,
         placement=placement,
         prebuilt=prebuilt,
+        stage_parts=stage_parts,
         topology=module._topo,
         loss_fn=module.loss_fn,
         seed_layers=module.seed_layers,

@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from ..hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss
 from ..hf import seq_chunk as chunk_context
@@ -133,9 +134,14 @@ class SeqChunks:
         state = self._states.setdefault(key, ChunkKVState())
         if seq_chunk == 0 and state.num_chunks:
             state = self._states[key] = ChunkKVState()
-        return chunk_context(state, start=start, end=end)
+        # Chunks are equal (``_bounds``), so chunk 0 knows the whole length: K/V buffers are made once.
+        return chunk_context(state, start=start, end=end, total=(end - start) * self.k if seq_chunk == 0 else None)
 
-    def backward_roots(self, stage: int, micro_batch: int, seq_chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The K/V buffers (and padding masks) every pending (stage, micro-batch) keeps, for the memory meter."""
+        return [t for state in self._states.values() for t in state.kept_tensors()]
+
+    def backward_roots(self, stage: int, micro_batch: int, seq_chunk: int) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Chunk ``seq_chunk``'s own K/V with the gradients later chunks left for them: extra roots."""
         if self.k == 1:
             return [], []

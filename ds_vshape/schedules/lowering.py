@@ -18,7 +18,13 @@ A fixed chain of small passes, each a pure function tested alone:
 6. ``place_posts``       posts each receive (non-blocking) in the one transfer order both
                          ranks of a pair share, NCCL's rule (see ``p2p_order``);
    ``group_crossing``    a post and the send right after it to the same peer go as one group.
-7. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
+7. ``add_stage_reduces`` a ``reduce_stage_grads`` after each stage's last backward pass:
+                         where ZeRO partitions gradients, that stage's reduce-scatter starts
+                         there, once per step, not per micro-batch.
+8. ``add_param_gathers`` ``gather_params`` / ``release_params`` around each run of one
+                         stage's passes in one direction: under ZeRO-3, a stage's weight
+                         shards are gathered once per run, not per layer and pass.
+9. ``add_step_tail``     tied-gradient reduce, gradient reduce, optimizer step.
 
 Ops name pipeline ranks (``peer``), never process-group ranks; the runtime maps them.
 ``p2p_check.check_transfers`` verifies the result for all ranks under NCCL's rules.
@@ -30,12 +36,12 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .ir import Action, Kind, Schedule
-from .ops import COMPUTE, SENDS, Op, OpKind, format_ops
+from .ops import BACKWARDS, COMPUTE, SENDS, Op, OpKind, format_ops
 from .p2p_order import Pair, group_crossing, pair_orders, place_posts
 
 __all__ = [
     "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
-    "assign_buffers", "first_sends", "mark_shape_headers", "add_step_tail", "format_ops", "programs",
+    "assign_buffers", "first_sends", "mark_shape_headers", "add_stage_reduces", "add_param_gathers", "add_step_tail", "format_ops", "programs",
 ]
 
 
@@ -155,6 +161,60 @@ def first_sends(schedule: Schedule, orders: tuple[tuple[Action, ...], ...]) -> d
     return first
 
 
+def add_stage_reduces(ops: list[Op]) -> list[Op]:
+    """After each stage's last backward pass of the step, a ``reduce_stage_grads`` for it.
+
+    Its gradients are final there, so their data-parallel reduce can start while the rank's
+    other stages still run backward (breadth-first finishes its later stage first). The engine
+    acts on it where the ZeRO stage partitions gradients; elsewhere it is a no-op.
+    """
+    last = {op.stage: i for i, op in enumerate(ops) if op.kind in BACKWARDS}
+    after = {i: s for s, i in last.items()}
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out.append(op)
+        if i in after:
+            out.append(Op(OpKind.REDUCE_STAGE_GRADS, stage=after[i]))
+    return out
+
+
+def add_param_gathers(ops: list[Op]) -> list[Op]:
+    """Around each run of one stage's passes in one direction, ``gather_params`` before the first
+    and ``release_params`` after the last.
+
+    A run ends where the stage's next pass goes the other way (a forward after backwards, or the
+    reverse) or the stage has no more passes; other stages' passes may sit inside it. A turn
+    straight from the stage's last forward to its first backward stays one run. Under
+    ZeRO-3 the engine gathers the stage's weight shards once per run, so breadth-first (all
+    forwards of a stage, then all its backwards) gathers each stage twice per step whatever m;
+    elsewhere the two ops do nothing.
+    """
+    passes = [(i, op.stage, op.kind is OpKind.FORWARD) for i, op in enumerate(ops) if op.kind in COMPUTE]
+    before: dict[int, int] = {}
+    after: dict[int, int] = {}
+    last: dict[int, tuple[int, bool]] = {}
+    previous = None  # the pass before this one, any stage
+    for i, stage, forward in passes:
+        prev = last.get(stage)
+        # A turn with no other stage's pass in between (the last forward, then the first
+        # backward of the same stage) keeps the weights gathered across it.
+        if prev is None or (prev[1] != forward and previous != prev[0]):
+            before[i] = stage
+            if prev is not None:
+                after[prev[0]] = stage
+        last[stage] = (i, forward)
+        previous = i
+    after.update({i: stage for stage, (i, _) in last.items()})
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        if i in before:
+            out.append(Op(OpKind.GATHER_PARAMS, stage=before[i]))
+        out.append(op)
+        if i in after:
+            out.append(Op(OpKind.RELEASE_PARAMS, stage=after[i]))
+    return out
+
+
 def add_step_tail(ops: list[Op]) -> list[Op]:
     return ops + [Op(OpKind.REDUCE_TIED_GRADS), Op(OpKind.REDUCE_GRADS), Op(OpKind.OPTIMIZER_STEP)]
 
@@ -164,8 +224,8 @@ def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int =
     orders, progs, pairs = _plan(schedule, train)
     ops = add_communication(schedule, rank, progs[rank])
     ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
-    ops = group_crossing(place_posts(ops, rank, pairs, lookahead=lookahead))
-    return add_step_tail(ops) if train else ops
+    ops = add_param_gathers(group_crossing(place_posts(ops, rank, pairs, lookahead=lookahead)))
+    return add_step_tail(add_stage_reduces(ops)) if train else ops
 
 
 def programs(schedule: Schedule, *, train: bool = True, lookahead: int = 2) -> list[list[Op]]:

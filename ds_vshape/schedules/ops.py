@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "format_ops"]
+__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "BACKWARDS", "format_ops"]
 
 
 class OpKind(str, Enum):
@@ -23,6 +23,9 @@ class OpKind(str, Enum):
     BACKWARD_WEIGHT = "backward_weight"
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
+    REDUCE_STAGE_GRADS = "reduce_stage_grads"  # a stage's backward is done: its data-parallel reduce may start
+    GATHER_PARAMS = "gather_params"  # a run of one stage's passes in one direction starts: its sharded weights, whole
+    RELEASE_PARAMS = "release_params"  # that run ended: back to shards
     REDUCE_TIED_GRADS = "reduce_tied_grads"
     REDUCE_GRADS = "reduce_grads"
     OPTIMIZER_STEP = "optimizer_step"
@@ -32,6 +35,7 @@ SENDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
 POSTS = frozenset({OpKind.POST_ACT, OpKind.POST_GRAD})
 WAITS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
 COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD})
+BACKWARDS = COMPUTE - {OpKind.FORWARD}
 
 
 @dataclass(frozen=True, slots=True)

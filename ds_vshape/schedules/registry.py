@@ -22,11 +22,16 @@ class GeneratorInfo:
     ``fixed_chunks``: model stages per rank the schedule always uses (1 linear, 2 V), or None
     when the user picks v (``chunks``, default 2). ``min_micro_batches(p, v, k)``: the smallest m.
     ``zero_stages``: the ZeRO stages the engine runs this schedule with; ``initialize`` refuses
-    others and ``ds-vshape list`` shows them (the one place this rule lives).
+    others and ``ds-vshape list`` shows them (the one place this rule lives). ZeRO-3 only where
+    the backward is not split: it releases a layer's gathered parameters after its backward,
+    and a later W would find them gone.
     ``seq_chunks``: the schedule accepts k > 1 sequence chunks per micro-batch; this flag is
     the one place that says so (config, CLI and ``generate`` all read it).
     ``default_seq_chunks``: the k used when none is asked for (1 unless the schedule's name
     promises chunks, as ``seq1f1b`` does).
+    ``placement``: the stage-to-rank layout the schedule runs on (``linear``, ``v`` or
+    ``looped``); ``"schedule": "auto"`` chooses among the schedules of one placement, since the
+    layers are already placed when it chooses.
     """
 
     name: str
@@ -38,7 +43,8 @@ class GeneratorInfo:
     default_seq_chunks: int = 1
     memory_limit: bool = False
     uses_costs: bool = False
-    zero_stages: tuple[int, ...] = (0, 1)
+    placement: str = "linear"
+    zero_stages: tuple[int, ...] = (0, 1, 2)
     min_micro_batches: MinMicroBatches = lambda p, v, k: 1
 
     def chunks(self, requested: int | None) -> int:

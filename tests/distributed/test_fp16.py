@@ -51,6 +51,7 @@ def _cases_p2() -> list[dict[str, Any]]:
     cases = [_case(None, 1, 1), _case(None, 1, 2)]
     for s in SCHEDULES:
         cases += [_case(s, 0, 1), _case(s, 1, 2)]
+    cases += [_case("breadth-first", 2, 2), _case("zb-h1", 2, 2)]  # ZeRO-2: the overflow check reads the reduced partitions
     refused = _case("v-half", 0, 1, torch_autocast={"enabled": True}, steps=1)
     agreement = _case("v-half", 1, 1, agreement=True)
     return cases + [dict(refused, name="err-autocast"), dict(agreement, name="agreement-checks")]

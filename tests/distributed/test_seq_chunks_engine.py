@@ -1,8 +1,9 @@
 """Sequence chunks (Seq1F1B) in the engine: Hugging Face models trained in chunks equal the unchunked model.
 
-One 2-rank launch: each case trains three steps (fp32, clipping, labels with -100 inside and at the
-start of a chunk) and compares losses and every parameter with the model's own ``labels=`` training,
-then evaluates (unchunked) once.
+One 2-rank launch, one 4-rank launch and one 2-rank launch under NCCL's rules: each case trains
+three steps (fp32, clipping, labels with -100 inside and at the start of a chunk) and compares
+losses and every parameter with the model's own ``labels=`` training, then evaluates (unchunked)
+once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ def _refusal_cases() -> list[dict[str, Any]]:
     ]
 
 
+# p=4: every rank holds a middle stage (a rank that loads nothing places its chunks by what it
+# received), v-half folds back at the last rank, and m=6 > p gives 1F1B a steady state. Six
+# blocks, so that v-half's 8 stages all get a layer; llama runs SDPA here (eager at p=2).
+PIPELINES_P4: dict[str, dict[str, Any]] = {
+    "seq1f1b-k4": {"schedule": "seq1f1b", "seq_chunks": 4},
+    "zb-h1-k2": {"schedule": "zb-h1", "seq_chunks": 2},
+    "v-half-k4": {"schedule": "v-half", "seq_chunks": 4},
+}
+
+
+def _parity_cases_p4() -> list[dict[str, Any]]:
+    return [{"name": f"p4-{model}-{name}", "hf": model, "attn": attn, "blocks": 6, "seq": True,
+             "schedule": pipeline["schedule"], "pipeline": pipeline, "p": 4, "m": 6, "eval": True}
+            for model, attn in (("llama", "sdpa"), ("gpt2", "eager")) for name, pipeline in PIPELINES_P4.items()]
+
+
+@pytest.fixture(scope="module")
+def seq_results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _by_case(launch(_parity_cases_p4(), 4, tmp_path_factory.mktemp("seq_p4")))
+
+
 @pytest.fixture(scope="module")
 def seq_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     return _by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
@@ -58,11 +80,20 @@ def test_chunked_training_matches_model_under_nccl_rules(seq_results_nccl: dict,
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases()])
 def test_chunked_training_matches_model(seq_results: dict, case: str) -> None:
-    _assert_parity(case, seq_results[case])
-    for rank, res in enumerate(seq_results[case]):
+    _check_chunked(case, seq_results[case])
+
+
+def _check_chunked(case: str, ranks: list[dict[str, Any]]) -> None:
+    _assert_parity(case, ranks)
+    for rank, res in enumerate(ranks):
         assert res["params_compared"] > 0, f"{case} rank {rank}: no parameter compared"
         # eval_batch runs whole micro-batches (its forward-only schedule has no chunks).
         assert abs(res["eval_loss"] - res["ref_eval_loss"]) <= 1e-5, f"{case} rank {rank}: eval {res['eval_loss']}"
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases_p4()])
+def test_chunked_training_matches_model_p4(seq_results_p4: dict, case: str) -> None:
+    _check_chunked(case, seq_results_p4[case])
 
 
 def test_non_hf_model_with_seq_chunks_is_refused(seq_results: dict) -> None:

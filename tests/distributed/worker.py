@@ -135,6 +135,7 @@ def _config(case: dict[str, Any], m: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "bf16": {"enabled": bool(case.get("bf16"))},
         "wall_clock_breakdown": False,
+        **case.get("extra_config", {}),
     }
 
 
@@ -219,15 +220,15 @@ def _ref_layers(ref: nn.Module, case: dict[str, Any]) -> list[nn.Module]:
     return list(ref)
 
 
-def _hf_config(kind: str) -> Any:
+def _hf_config(kind: str, blocks: int = 4) -> Any:
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = {"vocab_size": 96, "num_attention_heads": 4}
     if kind == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=96, n_positions=64,
+        return GPT2Config(n_embd=32, n_layer=blocks, n_head=4, vocab_size=96, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
-    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_key_value_heads=2,
+    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, num_key_value_heads=2,
                max_position_embeddings=64, tie_word_embeddings=kind == "qwen2", **common)
 
 
@@ -239,7 +240,8 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
 
     p, m, steps = case["p"], case["m"], case.get("steps", 3)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(case["hf"]), attn_implementation="eager").float()
+    model = AutoModelForCausalLM.from_config(_hf_config(case["hf"], case.get("blocks", 4)),
+                                             attn_implementation=case.get("attn", "eager")).float()
     if case.get("seq"):
         _distinct_values(model)
     ref = copy.deepcopy(model)
@@ -327,6 +329,14 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed.batch_checks import run_batch_case
 
         return run_batch_case(case)
+    if case.get("zero_case"):
+        from tests.distributed.zero_checks import run_zero_case
+
+        return run_zero_case(case)
+    if case.get("tuning_check"):
+        from tests.distributed.tuning_checks import run_tuning_case
+
+        return run_tuning_case(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 

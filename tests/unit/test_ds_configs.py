@@ -7,6 +7,7 @@ clipping and precision are the same in every file, so only the schedule changes.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from ds_vshape.schedules import generate, get_info
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 STOCK = "deepspeed-1f1b"  # no schedule key: plain DeepSpeed 1F1B
 EXPECTED = {STOCK, "1f1b", "gpipe", "zb-h1", "zb-h2", "zb-auto", "interleaved", "breadth-first",
-            "v-zb", "v-half", "v-min", "v-adaptive"}
+            "v-zb", "v-half", "v-min", "v-adaptive", "seq1f1b"}
 FILES = sorted(CONFIG_DIR.glob("*.json"))
 
 
@@ -60,3 +61,28 @@ def test_micro_batches_suit_the_recipe_rank_counts(path: Path, ranks: int) -> No
                         seq_chunks=config.seq_chunks, memory_limit=config.memory_limit)
     # The default model has 10 pipeline layers (embedding, 8 blocks, head).
     assert schedule.num_model_stages <= 10
+
+
+def _check_seq_len() -> Any:
+    sys.path.insert(0, str(CONFIG_DIR.parent))
+    try:
+        from recipes.train_hf import check_seq_len
+    finally:
+        sys.path.remove(str(CONFIG_DIR.parent))
+    return check_seq_len
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_recipe_default_seq_len_suits_every_config(path: Path) -> None:
+    _check_seq_len()(_load(path), 64, str(path))  # train_hf.py's default --seq-len
+
+
+def test_recipe_refuses_a_seq_len_the_chunks_cannot_cut() -> None:
+    raw = _load(CONFIG_DIR / "seq1f1b.json")
+    with pytest.raises(SystemExit, match=r"--seq-len 1022 is not a multiple of pipeline.seq_chunks=4 in s.json.*"
+                                         r"use --seq-len 1020 or 1024, or set pipeline.seq_chunks to a divisor of 1022"):
+        _check_seq_len()(raw, 1022, "s.json")
+    default_k = {**raw, "pipeline": {"schedule": "seq1f1b"}}
+    with pytest.raises(SystemExit, match=r"pipeline.seq_chunks=2 \(seq1f1b's default\).*use --seq-len 2 or 4"):
+        _check_seq_len()(default_k, 3, "s.json")
+    _check_seq_len()(raw, 1024, "s.json")

@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge
+from torch.nn.attention.bias import CausalBias
+from torch.overrides import TorchFunctionMode
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers import (
     AutoModelForCausalLM,
@@ -279,7 +282,9 @@ def test_forward_after_backward_began_and_reuse_are_refused() -> None:
     state.release(1)
     tensors, grads = state.backward_roots(0)
     assert len(tensors) == len(grads) == 2  # K and V of the stage's one block
-    assert all(t.shape == g.shape for t, g in zip(tensors, grads))
+    # Gradient edges of chunk 0's own K/V (their values live on in the buffers), fed chunk 1's gradients.
+    assert all(isinstance(t, GradientEdge) for t in tensors)
+    assert all(g.shape[-2] == 8 for g in grads)  # chunk 0 holds positions [0, 8)
 
 
 def test_chunk_inputs_must_match_bounds() -> None:
@@ -314,3 +319,75 @@ def test_length_dependent_rotary_is_refused() -> None:
     plain = _config("llama")
     plain._attn_implementation = "eager"
     assert hf_attention._chunk_refusal(plain, None) is None
+
+
+def _saved_bytes(run: Callable[[], Any], params: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run`` runs (parameters left out)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("total", [SEQ, None], ids=["whole-length-known", "growing"])
+def test_chunks_keep_keys_and_values_once(total: int | None) -> None:
+    # SDPA saves the keys/values it attends to. With the whole length known, every chunk attends to a
+    # view of one buffer per layer, so the chunks of a micro-batch save what the unchunked stage saves
+    # (plus the small causal masks); without it, the buffer moves each chunk, one prefix copy per chunk.
+    model = _model("llama", "sdpa", num_key_value_heads=4, hidden_size=64, intermediate_size=64)
+    first, _ = _stages(hf.pipeline_layers(model)[0])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    input_ids, _ = _batch()
+    whole = _saved_bytes(lambda: _run(first, input_ids), params)
+    state, bounds = hf.ChunkKVState(), BOUNDS["k4"]
+
+    def chunked() -> None:
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            with hf.seq_chunk(state, start=start, end=end, total=total if start == 0 else None):
+                _run(first, input_ids[:, start:end])
+
+    saved = _saved_bytes(chunked, params)
+    masks = sum(4 * (end - start) * end for start, end in zip(bounds[:-1], bounds[1:]))  # fp32 [queries, keys] each
+    layers = sum(isinstance(step, hf.HFDecoderBlock) for step in first)
+    if total is not None:
+        assert saved <= whole + layers * masks
+    else:
+        assert saved > whole + layers * masks
+
+
+class _SDPAMasks(TorchFunctionMode):
+    """Records the type of each ``attn_mask`` given to SDPA (the outer call: a mode is off while it runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[type] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.seen.append(type(kwargs.get("attn_mask")))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("pad", [None, 0], ids=["no-padding", "padding"])
+def test_sdpa_gets_a_lower_right_causal_bias_unless_padding_needs_the_mask(pad: int | None) -> None:
+    # HF would materialise a [batch, 1, queries, keys] mask, which SDPA saves in every layer.
+    model = _model("llama", "sdpa", **({} if pad is None else {"pad_token_id": pad}))
+    first, _ = _stages(hf.pipeline_layers(model)[0])
+    input_ids, _ = _batch(pad=pad)
+    state = hf.ChunkKVState()
+    with hf.seq_chunk(state, start=0, end=8):
+        _run(first, input_ids[:, :8])
+    masks = _SDPAMasks()
+    with hf.seq_chunk(state, start=8, end=16), masks:
+        _run(first, input_ids[:, 8:])
+    assert len(masks.seen) == sum(isinstance(step, hf.HFDecoderBlock) for step in first) > 0
+    want = torch.Tensor if pad is not None else CausalBias
+    assert all(kind is want for kind in masks.seen), masks.seen

@@ -58,8 +58,9 @@ def test_min_micro_batches() -> None:
 def test_registry_flags() -> None:
     assert get_info("interleaved").fixed_chunks is None
     assert get_info("breadth-first").fixed_chunks is None
-    # The engine does not drive ZeRO-2/3 yet: the registry, which initialize reads, says so.
-    assert set(get_info("breadth-first").zero_stages) == {0, 1}
+    # ZeRO-3 only where the backward is not split (the registry, which initialize reads).
+    assert set(get_info("breadth-first").zero_stages) == {0, 1, 2, 3}
+    assert set(get_info("zb-h1").zero_stages) == {0, 1, 2}
     assert generate("interleaved", 4, 8).chunks_per_rank == 2  # default v
 
 

@@ -61,7 +61,10 @@ def test_step_tail_and_forward_only_lowering() -> None:
     assert [op.kind for op in add_step_tail([])] == [OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP]
     sched = generate("zb-h1", 2, 4)
     ops = lower(sched, 1, train=False)
-    assert all(op.kind in (OpKind.LOAD, OpKind.POST_ACT, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT) for op in ops)
+    assert all(op.kind in (OpKind.LOAD, OpKind.POST_ACT, OpKind.RECV_ACT, OpKind.FORWARD, OpKind.SEND_ACT, OpKind.GATHER_PARAMS,
+                           OpKind.RELEASE_PARAMS) for op in ops)
+    assert [op.kind for op in ops if op.kind in (OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS)] == [
+        OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS]  # one run of forwards: ZeRO-3 gathers the stage once
     assert str(Op(OpKind.FORWARD, 1, 3, buffer=0)) == "forward s1 mb3 buf0"
 
 

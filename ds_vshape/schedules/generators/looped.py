@@ -28,6 +28,8 @@ __all__ = ["interleaved", "breadth_first"]
     aliases=("interleaved-1f1b", "depth-first"),
     summary="Megatron interleaved 1F1B (depth-first) on looped placement; v chunks per rank",
     fixed_chunks=None,
+    placement="looped",
+    zero_stages=(0, 1, 2, 3),
     min_micro_batches=lambda p, v, k: p,
 )
 def interleaved(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -83,8 +85,10 @@ def _interleaved_rank(r: int, p: int, m: int, v: int, table: list[tuple[int, int
 @register(
     "breadth-first",
     aliases=("looped-bfs", "bfs"),
-    summary="breadth-first on looped placement: all micro-batches per chunk; meant for ZeRO-2/3 (not lifted yet), memory m",
+    summary="breadth-first on looped placement: all micro-batches per chunk, so ZeRO-2/3 reduce each chunk once; memory m",
     fixed_chunks=None,
+    placement="looped",
+    zero_stages=(0, 1, 2, 3),
 )
 def breadth_first(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Valid for any m; with m < p rank 0 waits at every loop for the first micro-batch to

@@ -1,0 +1,207 @@
+"""``"schedule": "auto"``: which schedule to run, decided from measured pass costs.
+
+Pure. The runtime measures, per model stage, the time of F, B and W, the activation bytes
+one forward keeps, and the time of one hop between ranks (``Measured``), while a safe
+schedule of the model's placement runs. Here those figures become ``Costs`` for the
+simulator, every schedule of the same placement is generated and simulated with them, and
+the fastest whose activation memory fits the limit wins (``pick``).
+
+The rules live here and in the registry: the placement of each schedule is its registry
+entry's ``placement``; the schedule run while measuring is ``SAFE[placement]`` (split
+backward where the family has it, so B and W are measured apart; the least memory of its
+family otherwise equal).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .costs import Costs
+from .ir import Kind, Schedule
+from .registry import generate, get_info, schedule_names
+from .simulate import simulate
+
+__all__ = ["PLACEMENTS", "SAFE", "AutoSettings", "Measured", "Candidate", "Choice", "candidates", "to_costs",
+           "peak_bytes", "pick", "make_chosen", "AUTO_KEYS", "check_auto_options"]
+
+PLACEMENTS = ("linear", "v", "looped")
+# Measured first: split backward (B and W timed apart), and within the family's usual memory.
+SAFE = {"linear": "zb-h1", "v": "v-min", "looped": "interleaved"}
+# The config keys that only auto reads.
+AUTO_KEYS = ("auto_placement", "auto_warmup_steps", "auto_candidates", "memory_limit_bytes")
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """What ``auto`` may choose from and within: the config's keys, resolved."""
+
+    placement: str = "v"
+    warmup_steps: int = 2
+    names: tuple[str, ...] | None = None  # None: every schedule of the placement
+    chunks: int | None = None
+    seq_chunks: int = 1
+    memory_limit: float | None = None  # in M_B
+    memory_limit_bytes: float | None = None
+    w_memory: float = 0.5
+    zero_stage: int = 0
+
+    @property
+    def safe(self) -> str:
+        return SAFE[self.placement]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Per model stage: median seconds of F, B, W (B and W: the halves of a fused BW when a
+    stage ran none apart), activation bytes one F keeps; seconds of one hop; and the median
+    wall time of a measured step under the safe schedule (0: unknown)."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    comm: float = 0.0
+    step: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    makespan: float  # seconds: simulated, plus the step's measured time outside the passes
+    peak_bytes: float  # the busiest rank's activations, from the measured bytes per stage
+    fits: bool
+    params: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The winner and the table it won against, fastest first."""
+
+    name: str
+    predicted_s: float
+    costs: Costs
+    memory_limit: float | None  # in M_B, as handed to the generators that take one
+    table: tuple[Candidate, ...]
+
+    def summary(self) -> str:
+        rows = "; ".join(f"{c.name} {c.makespan * 1e3:.2f} ms {c.peak_bytes / 2**20:.2f} MiB{'' if c.fits else ' (over limit)'}"
+                         for c in self.table)
+        return f"{self.name} (predicted step {self.predicted_s * 1e3:.2f} ms; candidates: {rows})"
+
+
+def check_auto_options(schedule: str, *, placement: str | None, warmup_steps: int | None, names: Sequence[str] | None,
+                       chunks: int | None, seq_chunks: int | None, memory_limit: float | None,
+                       memory_limit_bytes: float | None) -> None:
+    """The config rules of auto, as errors that name the key and say what to change."""
+    if schedule != "auto":
+        given = [k for k, v in zip(AUTO_KEYS, (placement, warmup_steps, names, memory_limit_bytes)) if v is not None]
+        if given:
+            raise ValueError(f"pipeline.{given[0]} applies only with \"schedule\": \"auto\", not {schedule!r}; remove it")
+        return
+    family = placement or "v"
+    if chunks is not None and family != "looped":
+        raise ValueError(f"pipeline.chunks applies to auto only with auto_placement 'looped' (the {family!r} placement fixes "
+                         "its chunks); remove chunks or set auto_placement to 'looped'")
+    if seq_chunks not in (None, 1) and not get_info(SAFE[family]).seq_chunks:
+        raise ValueError(f"pipeline.seq_chunks: no schedule of the {family!r} placement cuts sequences; remove seq_chunks or "
+                         "set auto_placement to 'linear' or 'v'")
+    if memory_limit is not None and memory_limit_bytes is not None:
+        raise ValueError("pipeline.memory_limit and pipeline.memory_limit_bytes are both set; keep one (M_B or bytes)")
+    for name in names or ():
+        info = get_info(name)  # raises with the valid names
+        if info.placement != family:
+            raise ValueError(f"pipeline.auto_candidates: {info.name!r} runs on the {info.placement!r} placement, not "
+                             f"auto_placement {family!r}; remove it or change auto_placement")
+
+
+def candidates(settings: AutoSettings, *, stages: int, micro_batches: int) -> list[str]:
+    """The registry's schedules that share the placement and take this k, m and ZeRO stage."""
+    names = settings.names if settings.names is not None else tuple(schedule_names())
+    out = []
+    for name in names:
+        info = get_info(name)
+        if info.placement != settings.placement or settings.zero_stage not in info.zero_stages:
+            continue
+        if settings.seq_chunks > 1 and not info.seq_chunks:
+            continue
+        if info.min_micro_batches(stages, info.chunks(settings.chunks), settings.seq_chunks) <= micro_batches:
+            out.append(info.name)
+    return out
+
+
+def to_costs(measured: Measured, *, chunks_per_rank: int, w_memory: float) -> Costs:
+    """Simulator costs: F, B, W of a 1/p slice (v chunks) at the stages' mean, each stage's
+    total relative to the mean as ``stage_scale``, and the hop time as ``comm``."""
+    mean = [statistics.fmean(x) for x in (measured.f, measured.b, measured.w)]
+    total = sum(mean)
+    scale = tuple((f + b + w) / total for f, b, w in zip(measured.f, measured.b, measured.w)) if total > 0 else None
+    v = chunks_per_rank
+    return Costs(f=mean[0] * v, b=mean[1] * v, w=mean[2] * v, comm=measured.comm, stage_scale=scale, w_memory=w_memory)
+
+
+def peak_bytes(schedule: Schedule, stage_bytes: Sequence[float], *, kept_until_w: float) -> tuple[float, ...]:
+    """Each rank's peak activation bytes: the simulator's count, weighted by each stage's bytes."""
+    share = 1.0 / schedule.seq_chunks
+    peaks = []
+    for actions in schedule.ranks:
+        level = peak = 0.0
+        for a in actions:
+            held = share * stage_bytes[a.stage]
+            level += {Kind.F: held, Kind.B: -held * (1 - kept_until_w), Kind.W: -held * kept_until_w}.get(a.kind, -held)
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def pick(settings: AutoSettings, measured: Measured, *, stages: int, micro_batches: int) -> Choice:
+    """Simulate every candidate with the measured costs; the fastest within the memory limit.
+
+    When none fits, the one with the least memory, so training goes on (the log says so).
+    """
+    v = get_info(settings.safe).chunks(settings.chunks)
+    costs = to_costs(measured, chunks_per_rank=v, w_memory=settings.w_memory)
+    m_b = sum(measured.activation_bytes) / stages  # one micro-batch's activation on a 1/p slice
+    limit_bytes = settings.memory_limit_bytes
+    if limit_bytes is None and settings.memory_limit is not None:
+        limit_bytes = settings.memory_limit * m_b
+    limit_mb = settings.memory_limit if settings.memory_limit is not None else (
+        limit_bytes / m_b if limit_bytes is not None and m_b > 0 else None)
+    overhead = _overhead(settings, measured, costs, stages, micro_batches)
+    table = []
+    for name in candidates(settings, stages=stages, micro_batches=micro_batches):
+        try:
+            schedule = _make(name, settings, stages, micro_batches, costs, limit_mb)
+        except ValueError:  # e.g. v-adaptive below its least memory: not a candidate here
+            continue
+        peak = max(peak_bytes(schedule, measured.activation_bytes, kept_until_w=settings.w_memory))
+        fits = limit_bytes is None or peak <= limit_bytes * (1 + 1e-9)
+        table.append(Candidate(name, simulate(schedule, costs).makespan + overhead, peak, fits, dict(schedule.params)))
+    if not table:
+        raise ValueError(f"schedule auto found no schedule of placement {settings.placement!r} for p={stages}, "
+                         f"m={micro_batches}, k={settings.seq_chunks}; widen pipeline.auto_candidates or raise m")
+    table.sort(key=lambda c: (not c.fits, c.makespan if c.fits else c.peak_bytes, c.peak_bytes))
+    best = table[0]
+    return Choice(best.name, best.makespan, costs, limit_mb if get_info(best.name).memory_limit else None, tuple(table))
+
+
+def _overhead(settings: AutoSettings, measured: Measured, costs: Costs, stages: int, micro_batches: int) -> float:
+    """What a measured step took beyond the simulated passes of the safe schedule: transfers'
+    host work, data loading, the optimizer step. Schedules of one placement run the same passes,
+    so it is added to each alike; it moves the predicted time, never the choice."""
+    if measured.step <= 0:
+        return 0.0
+    safe = _make(settings.safe, settings, stages, micro_batches, costs, None)
+    return max(0.0, measured.step - simulate(safe, costs).makespan)
+
+
+def make_chosen(choice: Choice, settings: AutoSettings, *, stages: int, micro_batches: int) -> Schedule:
+    """The chosen schedule for m micro-batches: what every rank builds from the broadcast choice."""
+    return _make(choice.name, settings, stages, micro_batches, choice.costs, choice.memory_limit)
+
+
+def _make(name: str, settings: AutoSettings, stages: int, micro_batches: int, costs: Costs, limit_mb: float | None) -> Schedule:
+    info = get_info(name)
+    return generate(name, stages, micro_batches, chunks=settings.chunks if info.fixed_chunks is None else None,
+                    seq_chunks=settings.seq_chunks, memory_limit=limit_mb if info.memory_limit else None, costs=costs)

@@ -1,0 +1,127 @@
+"""Measured decisions on real ranks: ``partition_method: "profile"`` and ``"schedule": "auto"``.
+
+One launch at 2 ranks; every training case against the plain reference (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ds_vshape.schedules.partition import LayerCost, cut_layers
+
+from .launch import launch
+from .test_engine import _assert_parity, _by_case
+
+pytestmark = pytest.mark.distributed
+HEAVY_AT = 5  # tuning_checks.HEAVY_AT (not imported: that module imports deepspeed)
+
+SAMPLE = {"inputs": {"shape": [4, 8]}}  # worker.ROWS rows of worker.DIM features; labels alike
+PROFILE = {"partition_method": "profile", "profile_sample": SAMPLE}
+# No slack for memory: the heavy cases assert the time-optimal cut, exact on the measured costs.
+FASTEST = {**PROFILE, "profile_time_slack": 0.0}
+
+PROFILE_CASES = [
+    # Layer 5 costs many times the others: 1F1B at p=2 gives it a stage with the two after it.
+    {"name": "profile-1f1b-heavy", "tuning_check": "profile", "schedule": "1f1b", "p": 2, "m": 4, "heavy": True,
+     "tuning": FASTEST},
+    # V at p=2: rank 1 holds the middle stages, rank 0 both ends; the heavy layer goes to
+    # rank 1 with a single other layer (the least it can hold), rank 0 takes the other six.
+    {"name": "profile-v-half-heavy", "tuning_check": "profile", "schedule": "v-half", "p": 2, "m": 4, "heavy": True,
+     "tuning": FASTEST},
+    # Tied embedding and head, token ids; the sample is training_data's first micro-batch.
+    {"name": "profile-v-zb-tied-training-data", "tuning_check": "profile", "schedule": "v-zb", "p": 2, "m": 4,
+     "tied": True, "layers": 6, "training_data": True, "tuning": {"partition_method": "profile"}},
+    {"name": "profile-refused-no-sample", "tuning_check": "refused", "schedule": "v-half", "p": 2, "m": 4,
+     "tuning": {"partition_method": "profile"}},
+    # The loss cannot take these labels: the last rank fails, and every rank must say so.
+    {"name": "profile-refused-bad-labels", "tuning_check": "refused", "schedule": "1f1b", "p": 2, "m": 4,
+     "tuning": {"partition_method": "profile", "profile_sample": {**SAMPLE, "labels": {"shape": [4, 5]}}}},
+]
+
+AUTO_CASES = [
+    # The default V placement, its layers cut by measured costs: two steps of v-min, then the pick.
+    {"name": "auto-v-profile", "tuning_check": "auto", "schedule": "auto", "p": 2, "m": 4, "tuning": PROFILE},
+    # Linear placement within 2 M_B: ZB-H2 (2p-1 = 3 M_B at its peak) must be ruled out.
+    {"name": "auto-linear-limit", "tuning_check": "auto", "schedule": "auto", "p": 2, "m": 4,
+     "tuning": {"auto_placement": "linear", "memory_limit": 2.0}},
+]
+V_FAMILY = {"v-min", "v-half", "v-zb", "v-adaptive"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _by_case(launch(PROFILE_CASES + AUTO_CASES, 2, tmp_path_factory.mktemp("tuning")))
+
+
+def _trained(results: dict, name: str, *, slack: float = 0.02) -> list[dict[str, Any]]:
+    """Parity, one cut on every rank, and that cut is the pure cut of the measured costs."""
+    ranks = results[name]
+    _assert_parity(name, ranks)
+    assert all(r["method"] == "profile" for r in ranks), ranks
+    assert ranks[0]["parts"] == ranks[1]["parts"], f"{name}: ranks cut differently: {[r['parts'] for r in ranks]}"
+    costs = [LayerCost(*c) for c in ranks[0]["costs"]]
+    assert all(r["costs"] == ranks[0]["costs"] for r in ranks), "every rank holds the same measured costs"
+    cut = cut_layers(costs, ranks[0]["placement"], inflight=ranks[0]["inflight"], time_slack=slack)
+    assert list(cut.parts) == ranks[0]["parts"], (cut, ranks[0]["costs"])
+    return ranks
+
+
+def _heavy_measured(ranks: list[dict[str, Any]]) -> None:
+    times = [c[0] for c in ranks[0]["costs"]]
+    others = sorted(t for i, t in enumerate(times) if i != HEAVY_AT)
+    assert times[HEAVY_AT] > 5 * others[len(others) // 2], f"layer {HEAVY_AT} should measure far slower: {times}"
+
+
+def test_profile_gives_the_heavy_layer_a_light_stage_under_1f1b(results: dict) -> None:
+    ranks = _trained(results, "profile-1f1b-heavy", slack=0.0)
+    _heavy_measured(ranks)
+    assert ranks[0]["parts"] == [0, 5, 8]  # uniform would be [0, 4, 8]
+
+
+def test_profile_balances_the_ranks_of_a_v(results: dict) -> None:
+    ranks = _trained(results, "profile-v-half-heavy", slack=0.0)
+    _heavy_measured(ranks)
+    parts = ranks[0]["parts"]
+    # Stages 1 and 2 (rank 1) hold layers parts[1]..parts[3]: the heavy layer 5 and one more.
+    assert parts[3] - parts[1] == 2 and parts[1] <= 5 < parts[3], parts
+
+
+def test_profile_takes_the_sample_from_training_data(results: dict) -> None:
+    parts = _trained(results, "profile-v-zb-tied-training-data")[0]["parts"]
+    assert len(parts) == 5 and parts[0] == 0 and parts[-1] == 6
+
+
+@pytest.mark.parametrize(("case", "needle"), [("profile-refused-no-sample", "pass training_data"),
+                                              ("profile-refused-bad-labels", "measuring layer 7")])
+def test_profile_refusals_reach_every_rank(results: dict, case: str, needle: str) -> None:
+    for rank, res in enumerate(results[case]):
+        assert "error" not in res, f"{case} rank {rank}: {res['error']}\n{res.get('traceback', '')}"
+        assert res["refused"] and needle in res["refused"], (rank, res["refused"])
+
+
+def _auto(results: dict, name: str, safe: str) -> list[dict[str, Any]]:
+    ranks = results[name]
+    _assert_parity(name, ranks)  # across the switch of schedules
+    choice = ranks[0]["choice"]
+    for rank, res in enumerate(ranks):
+        assert res["choice"] == choice, f"{name}: rank {rank} chose {res['choice']}, rank 0 {choice}"
+        assert res["names"] == [safe, safe, choice, choice], (rank, res["names"])
+        assert res["predicted_s"] > 0 and res["step_s"] > 0, res
+    return ranks
+
+
+def test_auto_measures_under_v_min_then_runs_the_fastest_v_schedule(results: dict) -> None:
+    ranks = _auto(results, "auto-v-profile", "v-min")
+    table = ranks[0]["table"]
+    assert ranks[0]["choice"] in V_FAMILY and {row[0] for row in table} == V_FAMILY, table
+    assert table[0][0] == ranks[0]["choice"] and table[0][1] == min(row[1] for row in table)
+    assert ranks[0]["method"] == "profile" and ranks[0]["parts"] == ranks[1]["parts"]
+
+
+def test_auto_keeps_within_the_memory_limit(results: dict) -> None:
+    ranks = _auto(results, "auto-linear-limit", "zb-h1")
+    table = {row[0]: row for row in ranks[0]["table"]}
+    assert table[ranks[0]["choice"]][3], f"the choice must fit: {table}"
+    assert not table["zb-h2"][3] and not table["gpipe"][3], table

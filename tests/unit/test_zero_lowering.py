@@ -1,0 +1,87 @@
+"""The lowering passes that place data-parallel work, and the ZeRO config rule (pure)."""
+from __future__ import annotations
+
+import pytest
+
+from ds_vshape.runtime.zero import check_zero_config
+from ds_vshape.schedules import generate
+from ds_vshape.schedules.lowering import add_param_gathers, add_stage_reduces, lower
+from ds_vshape.schedules.ops import BACKWARDS, COMPUTE, Op, OpKind
+
+
+def _kinds(ops: list[Op], *kinds: OpKind) -> list[str]:
+    return [f"{op.kind.value}:{op.stage}" for op in ops if op.kind in kinds]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", "zb-h1", "v-half", "v-zb"])
+@pytest.mark.parametrize("m", [4, 8])
+def test_each_local_stage_is_reduced_once_right_after_its_last_backward(name: str, m: int) -> None:
+    schedule = generate(name, 2, m)
+    for rank in range(2):
+        ops = lower(schedule, rank)
+        reduces = [i for i, op in enumerate(ops) if op.kind is OpKind.REDUCE_STAGE_GRADS]
+        stages = sorted(s for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == rank)
+        assert sorted(ops[i].stage for i in reduces) == stages
+        for i in reduces:
+            stage = ops[i].stage
+            last = max(j for j, op in enumerate(ops) if op.kind in BACKWARDS and op.stage == stage)
+            assert all(op.kind not in COMPUTE for op in ops[last + 1:i]), (name, rank, stage)
+
+
+def test_stage_reduce_pass_alone() -> None:
+    ops = [Op(OpKind.FORWARD, 0, 0), Op(OpKind.BACKWARD_INPUT, 0, 0), Op(OpKind.BACKWARD_WEIGHT, 0, 0), Op(OpKind.SEND_GRAD, 0, 0)]
+    assert _kinds(add_stage_reduces(ops), OpKind.BACKWARD_WEIGHT, OpKind.REDUCE_STAGE_GRADS) == [
+        "backward_weight:0", "reduce_stage_grads:0"]
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_breadth_first_gathers_each_stage_once_per_direction_whatever_m(m: int) -> None:
+    schedule = generate("breadth-first", 2, m)
+    ops = lower(schedule, 0)
+    # Rank 0 holds stages 0 and 2: s0 forward, s2 forward+backward (one run across the turn), s0 backward.
+    assert _kinds(ops, OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS) == [
+        "gather_params:0", "release_params:0", "gather_params:2", "release_params:2", "gather_params:0", "release_params:0"]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", "v-half", "zb-h2"])
+def test_gathers_and_releases_pair_up_around_every_pass(name: str) -> None:
+    schedule = generate(name, 2, 4)
+    for rank in range(2):
+        held: set[int] = set()
+        for op in lower(schedule, rank):
+            if op.kind is OpKind.GATHER_PARAMS:
+                assert op.stage not in held
+                held.add(op.stage)
+            elif op.kind is OpKind.RELEASE_PARAMS:
+                held.remove(op.stage)
+            elif op.kind in COMPUTE:
+                assert op.stage in held, (name, rank, str(op))
+        assert not held
+
+
+def test_param_gather_pass_alone_turns_without_release() -> None:
+    ops = [Op(OpKind.FORWARD, 1, 0), Op(OpKind.BACKWARD, 1, 0), Op(OpKind.FORWARD, 0, 1), Op(OpKind.FORWARD, 1, 1)]
+    assert _kinds(add_param_gathers(ops), *COMPUTE, OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS) == [
+        "gather_params:1", "forward:1", "backward:1", "release_params:1", "gather_params:0", "forward:0", "release_params:0",
+        "gather_params:1", "forward:1", "release_params:1"]
+
+
+@pytest.mark.parametrize(("config", "kw", "needles"), [
+    ({"zero_optimization": {"stage": 3}}, {"schedule": "zb-h1", "allowed": (0, 1, 2)}, ["stage=3", "'zb-h1'", "split", "0, 1, 2"]),
+    ({"zero_optimization": {"stage": 3}}, {"tied": True}, ["TiedLayerSpec", "stage=2"]),
+    ({"zero_optimization": {"stage": 3}}, {"seq_chunks": 2}, ["seq_chunks=2", "stage=2"]),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, {},
+     ["data_types.grad_accum_dtype", "zero_optimization.stage=1"]),
+])
+def test_zero_config_refusals_name_the_field_and_the_fix(config: dict, kw: dict, needles: list[str]) -> None:
+    args = {"schedule": "breadth-first", "allowed": (0, 1, 2, 3), "tied": False, "seq_chunks": 1, **kw}
+    with pytest.raises(ValueError) as err:
+        check_zero_config(config, **args)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_zero_config_accepts_what_runs() -> None:
+    check_zero_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+                      schedule="v-half", allowed=(0, 1, 2), tied=True, seq_chunks=4)
+    check_zero_config({"zero_optimization": {"stage": 3}}, schedule="breadth-first", allowed=(0, 1, 2, 3), tied=False, seq_chunks=1)
