@@ -9,7 +9,9 @@ On a machine without GPUs set ``DS_ACCELERATOR=cpu`` (gloo is then used). With n
 argument it trains the embedded default: a tiny Llama (hidden 64, 8 decoder blocks, 4
 heads) made from a config, on ``recipes/data/coriolanus.txt`` (the opening of
 Shakespeare's *Coriolanus*, public domain), tokenized to raw UTF-8 bytes (vocab 256).
-The model is cut into ``world_size`` pipeline ranks (pure pipeline parallelism).
+The model is cut into ``world_size`` pipeline ranks (pure pipeline parallelism), or into
+``--pipeline-stages`` ranks with the rest as data-parallel replicas (each replica reads its
+own data stream; ZeRO-2/3 then shard across them).
 
 Every rank builds the same data iterator (same seed); DeepSpeed reads it only on the
 ranks that hold the first stage (input_ids) or the last (labels). Labels are the input
@@ -28,10 +30,10 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -50,6 +52,7 @@ import ds_vshape  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.schedules import Schedule, generate, get_info, simulate  # noqa: E402
+from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens, tokenizer_for  # noqa: E402
 
 __all__ = [
     "ByteTokenizer",
@@ -72,9 +75,7 @@ __all__ = [
     "train",
 ]
 
-DEFAULT_DATA = REPO_ROOT / "recipes" / "data" / "coriolanus.txt"
 PRESETS = ("llama", "gpt2", "mistral", "qwen2")
-VAL_FRACTION = 0.1  # tail of the corpus kept out of training, for the final held-out loss
 
 # Tiny sizes: well under a second per step on 2 CPU cores, yet a real transformer. 8 blocks so
 # that V / interleaved schedules (2 model stages per rank) still fit 4 ranks.
@@ -97,68 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", type=Path, help="save a DeepSpeed checkpoint here at the end")
     parser.add_argument("--resume", type=Path, help="load a DeepSpeed checkpoint from here first")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out loss at the end")
+    parser.add_argument("--pipeline-stages", type=int, metavar="P",
+                        help="pipeline ranks (default: all); world size / P data-parallel replicas")
     return deepspeed.add_config_arguments(parser)
-
-
-# ---- data ------------------------------------------------------------------------------------
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-
-class ByteTokenizer:
-    """Raw UTF-8 bytes as tokens: no vocabulary file, nothing to download, vocab 256."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-
-class _HFTokenizer:
-    """A tokenizer saved next to a local model (read offline)."""
-
-    def __init__(self, directory: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        self.vocab_size = len(self._tok)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
-
-
-def tokenizer_for(model: str) -> Tokenizer:
-    """The model directory's own tokenizer when it ships one, else bytes."""
-    directory = Path(model)
-    if directory.is_dir() and any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return _HFTokenizer(directory)
-    return ByteTokenizer()
-
-
-def load_tokens(path: Path, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) token streams: the last VAL_FRACTION of the text is held out."""
-    ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
-    cut = int(len(ids) * (1 - VAL_FRACTION))
-    return ids[:cut], ids[cut:]
-
-
-def batches(tokens: torch.Tensor, *, batch: int, seq_len: int, seed: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless micro-batches of random windows; micro-batch i depends on (seed, i) only.
-
-    That is what lets every rank agree without communication and lets ``--resume``
-    continue the exact sequence: start at micro-batch ``start``.
-    """
-    if len(tokens) <= seq_len:
-        raise ValueError(f"the corpus has {len(tokens)} tokens; --seq-len {seq_len} needs more")
-    index = start
-    while True:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        offsets = torch.randint(0, len(tokens) - seq_len, (batch,), generator=g)
-        ids = torch.stack([tokens[o : o + seq_len] for o in offsets.tolist()])
-        yield ids, ids.clone()
-        index += 1
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -315,14 +257,26 @@ class Job:
     gas: int  # micro-batches per step
 
 
+def pipeline_stages(requested: int | None, world: int) -> int:
+    """``--pipeline-stages``, checked against the world size before any engine exists."""
+    if requested is None:
+        return world
+    if requested < 2 or world % requested:
+        raise SystemExit(f"train_hf.py: --pipeline-stages {requested} must be at least 2 and divide the {world} ranks "
+                         f"(the rest are data-parallel replicas); use one of "
+                         f"{', '.join(str(p) for p in range(2, world + 1) if world % p == 0)}")
+    return requested
+
+
 def setup(args: argparse.Namespace) -> Job:
     # Fails early, on every rank alike, for a bad config or a --seq-len it cannot cut.
     check_seq_len(read_config(args), args.seq_len, args.deepspeed_config)
     world = dist.get_world_size()
+    stages = pipeline_stages(args.pipeline_stages, world)
     tokenizer = tokenizer_for(args.model)
     train_ids, val_ids = load_tokens(args.data, tokenizer)
     torch.manual_seed(args.seed)
-    module = build_module(args, tokenizer.vocab_size, world)
+    module = build_module(args, tokenizer.vocab_size, stages)
     params = [p for p in module.parameters() if p.requires_grad]
     # The drop-in call: exactly what a deepspeed.initialize job passes (config via --deepspeed_config).
     engine, _, _, _ = ds_vshape.initialize(args=args, model=module, model_parameters=params)
@@ -332,7 +286,7 @@ def setup(args: argparse.Namespace) -> Job:
     # Predict with the same share of activation held until W that the schedule was planned for.
     kept = parse_pipeline_config(read_config(args)).w_memory
     sim = simulate(schedule, kept_until_w=kept)
-    summary = RunSummary(schedule=name, ranks=world, micro_batches=engine.micro_batches, model=args.model,
+    summary = RunSummary(schedule=name, ranks=stages, micro_batches=engine.micro_batches, model=args.model,
                          sim_bubble_rate=sim.bubble_rate, sim_peak_memory=list(sim.peak_memory),
                          peak_activation_bytes=[None] * world)
     return Job(engine, train_ids, val_ids, summary, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
@@ -341,7 +295,9 @@ def setup(args: argparse.Namespace) -> Job:
 def run_steps(job: Job, args: argparse.Namespace, start: int) -> None:
     """Train from step ``start + 1`` to ``args.steps``, logging and recording every step."""
     rank = dist.get_rank()
-    data = batches(job.train_ids, batch=job.micro, seq_len=args.seq_len, seed=args.seed, start=start * job.gas)
+    # Replica 0 keeps the documented stream; other data-parallel replicas read their own.
+    seed = args.seed + 10_007 * job.engine.grid.get_data_parallel_rank()
+    data = batches(job.train_ids, batch=job.micro, seq_len=args.seq_len, seed=seed, start=start * job.gas)
     metrics = _open_metrics(args.metrics_out, rank, append=start > 0)
     # Rank 0 logs; its bar draws only on a terminal (disable=None), so log files stay clean.
     bar = tqdm(total=args.steps, initial=start, disable=None, desc=job.summary.schedule, unit="step", dynamic_ncols=True) if rank == 0 else None

@@ -23,9 +23,9 @@ RECIPE = ROOT / "recipes" / "train_hf.py"
 RANKS = 2
 
 
-def _train(workdir: Path, *extra: str, timeout: int = 300, config: str = "v-half") -> str:
+def _train(workdir: Path, *extra: str, timeout: int = 300, config: str = "v-half", ranks: int = RANKS) -> str:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
            str(RECIPE), "--deepspeed_config", str(ROOT / "ds_configs" / f"{config}.json"), *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
@@ -84,3 +84,17 @@ def test_seq1f1b_config_trains_long_sequences_in_chunks(tmp_path: Path) -> None:
     assert all(isinstance(p, int) and p > 0 for r in rows for p in r["peak_activation_bytes"])
     # k=4 chunks of 64 tokens; the simulator's bubble for p=2, m=8, k=4: (p-1)/(k·m+p-1) = 1/33.
     assert abs(summary["sim_bubble_rate"] - 1 / 33) < 1e-9
+
+
+def test_breadth_first_zero3_on_pp2xdp2_matches_stock_zero0(tmp_path: Path) -> None:
+    """The recipe on 4 ranks, 2 stages x 2 replicas: breadth-first under ZeRO-3 (every weight
+    sharded, ds_configs/zero/) gives stock DeepSpeed 1F1B's ZeRO-0 losses, each replica on its
+    own data."""
+    losses = {}
+    for config in ("zero/breadth-first-zero3", "deepspeed-1f1b"):
+        work = tmp_path / config.replace("/", "-")
+        work.mkdir()
+        _train(work, "--steps", "3", "--no-eval", "--pipeline-stages", "2", "--metrics-out", str(work / "m.jsonl"),
+               config=config, ranks=4)
+        losses[config] = [r["loss"] for r in _rows(work / "m.jsonl")]
+    assert losses["zero/breadth-first-zero3"] == pytest.approx(losses["deepspeed-1f1b"], rel=1e-5), losses

@@ -26,8 +26,12 @@ PIPELINES: dict[str, dict[str, Any]] = {
 
 
 def _parity_cases() -> list[dict[str, Any]]:
-    return [{"name": f"{model}-{name}", "hf": model, "seq": True, "schedule": pipeline["schedule"], "pipeline": pipeline,
-             "p": 2, "m": 4, "eval": True} for model in MODELS for name, pipeline in PIPELINES.items()]
+    cases = [{"name": f"{model}-{name}", "hf": model, "seq": True, "schedule": pipeline["schedule"], "pipeline": pipeline,
+              "p": 2, "m": 4, "eval": True} for model in MODELS for name, pipeline in PIPELINES.items()]
+    # ZeRO-2 accepts sequence chunks: its once-per-step reduce must see every chunk's gradient.
+    zero2 = {"name": "llama-v-half-k2-zero2", "hf": "llama", "seq": True, "schedule": "v-half", "zero": 2,
+             "pipeline": PIPELINES["v-half-k2"], "p": 2, "m": 4, "eval": True}
+    return cases + [zero2]
 
 
 def _refusal_cases() -> list[dict[str, Any]]:

@@ -50,8 +50,29 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
+NCCL_CASES = ["zero2-v-half", "zero2-breadth-first", "zero3-breadth-first", "zero3-interleaved"]
+
+
+@pytest.fixture(scope="module")
+def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The same cases under the NCCL emulation (tags ignored, one ordered queue per pair): the
+    data-parallel collectives sit between pipeline transfers as they will on GPUs."""
+    tmp = tmp_path_factory.mktemp("zero-nccl")
+    per_rank = launch([c for c in _cases(tmp) if c["name"] in NCCL_CASES], 4, tmp, nccl=True)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@pytest.mark.parametrize("case", NCCL_CASES)
+def test_zero_matches_reference_under_nccl_rules(results_nccl: dict, case: str) -> None:
+    _assert_matches(results_nccl, case)
+
+
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if c["name"].startswith(("zero2-", "zero3-"))])
 def test_zero_matches_reference(results: dict, case: str) -> None:
+    _assert_matches(results, case)
+
+
+def _assert_matches(results: dict, case: str) -> None:
     optimizer = "DeepSpeedZeroOptimizer_Stage3" if case.startswith("zero3-") else "DeepSpeedZeroOptimizer"
     for rank, res in enumerate(results[case]):
         assert "error" not in res, f"{case} rank {rank}: {res['error']}\n{res.get('traceback', '')}"

@@ -324,11 +324,13 @@ def test_length_dependent_rotary_is_refused() -> None:
 def _saved_bytes(run: Callable[[], Any], params: set[int]) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``run`` runs (parameters left out)."""
     seen: dict[int, int] = {}
+    alive: list[Any] = []  # a chunk's graph may be freed before the next runs: hold its storages so no address is reused
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
+            alive.append(storage)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
