@@ -18,6 +18,7 @@ from .schedules.costs import Costs
 from .schedules.ir import Schedule
 from .schedules.lowering import lower
 from .schedules.ops import format_ops
+from .schedules.trace_ops import data_parallel_events
 from .schedules.registry import GeneratorInfo, generate, get_info, schedule_names
 from .schedules.seq_partition import MODES, chunk_boundaries, chunk_costs, chunk_lengths
 from .schedules.render import (
@@ -260,7 +261,9 @@ def _write_outputs(args: argparse.Namespace, result: SimResult, schedule: Schedu
         plot_timeline(result, schedule, args.plot)
         print(f"wrote plot to {args.plot}", file=sys.stderr)
     if args.trace is not None:
-        args.trace.write_text(json.dumps(chrome_trace(result, schedule)))
+        trace = chrome_trace(result, schedule)
+        trace["traceEvents"] += data_parallel_events(result, schedule)  # ZeRO's reduce and gather points
+        args.trace.write_text(json.dumps(trace))
         print(f"wrote Chrome trace to {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
 
 

@@ -85,3 +85,20 @@ def test_zero_config_accepts_what_runs() -> None:
     check_zero_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
                       schedule="v-half", allowed=(0, 1, 2), tied=True, seq_chunks=4)
     check_zero_config({"zero_optimization": {"stage": 3}}, schedule="breadth-first", allowed=(0, 1, 2, 3), tied=False, seq_chunks=1)
+
+
+def test_trace_marks_reduce_and_gather_points_at_their_passes() -> None:
+    from ds_vshape.schedules import simulate
+    from ds_vshape.schedules.trace_ops import data_parallel_events
+
+    schedule = generate("breadth-first", 2, 4)
+    result = simulate(schedule)
+    events = data_parallel_events(result, schedule, time_unit_us=1.0)
+    rank0 = [(e["name"], e["ts"]) for e in events if e["tid"] == 0]
+    assert [name for name, _ in rank0] == ["gather_params s0", "release_params s0", "gather_params s2",
+                                          "reduce_stage_grads s2", "release_params s2", "gather_params s0",
+                                          "reduce_stage_grads s0", "release_params s0"]
+    spans = {(a.kind.value, a.stage, a.micro_batch): (s, e) for s, e, a in result.timeline[0]}
+    last_b_s0 = max(e for (k, st, _), (s, e) in spans.items() if st == 0 and k in ("B", "W", "BW"))
+    assert dict(rank0)["reduce_stage_grads s0"] == last_b_s0  # the reduce starts when stage 0's last backward ends
+    assert rank0[0][1] == min(s for (k, st, _), (s, e) in spans.items() if st == 0)
