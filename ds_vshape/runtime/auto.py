@@ -172,7 +172,7 @@ class AutoEngine(VShapeEngine):
             enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
                                   root=self.module)
         self.schedule = schedule
-        self._train_ir = ins.IRSchedule(schedule, self.stage_id)
+        self._train_ir = self._ir(schedule)
         # Batch ramp-up from now on regenerates the chosen schedule, not the safe one.
         self._make_schedule = lambda m: make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=m)
         self.auto_choice = choice

@@ -21,6 +21,7 @@ from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Schedule
 from ..schedules.lowering import programs
+from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
 from . import checkpoint as ckpt
 from . import instructions as ins
@@ -73,9 +74,9 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
             device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
-        self._train_ir = ins.IRSchedule(self.schedule, self.stage_id)
-        self._seq = SeqChunks(self.stage_id)
         self._zero_reducer = self._stage_grad_reducer()
+        self._train_ir = self._ir(self.schedule)
+        self._seq = SeqChunks(self.stage_id)
         self._reset_step_state()
 
     def _check_schedule(self, schedule: Schedule) -> None:
@@ -100,7 +101,12 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
             super().set_train_batch_size(old)  # keep what the current schedule was made for
             raise ValueError(f"set_train_batch_size({train_batch_size}): {err}; the train batch size stays {old}") from None
         self.schedule = schedule
-        self._train_ir = ins.IRSchedule(schedule, self.stage_id)
+        self._train_ir = self._ir(schedule)
+
+    def _ir(self, schedule: Schedule, *, train: bool = True) -> ins.IRSchedule:
+        """The lowered stream, less the data-parallel points this ZeRO stage does not act on."""
+        acts_on = self._zero_reducer.OPS if self._zero_reducer is not None else frozenset()
+        return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on)
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------
     def is_first_stage(self) -> bool:
@@ -120,7 +126,7 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
         return self._train_ir
 
     def _inference_schedule(self, micro_batches: int) -> ins.IRSchedule:
-        return ins.IRSchedule(_forward_only(self.schedule, micro_batches), self.stage_id, train=False)
+        return self._ir(_forward_only(self.schedule, micro_batches), train=False)
 
     # ---- step framing -----------------------------------------------------------------------
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:

@@ -135,10 +135,11 @@ def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
 class IRSchedule(ds_schedule.PipeSchedule):
     """Adapter: one rank's lowered ops as DeepSpeed's ``PipeSchedule`` (one op per step)."""
 
-    def __init__(self, schedule: Schedule, rank: int, *, train: bool = True) -> None:
+    def __init__(self, schedule: Schedule, rank: int, *, train: bool = True, without: frozenset[OpKind] = frozenset()) -> None:
+        """``without``: op kinds this engine would only dispatch as no-ops (each costs host time)."""
         super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
         self.schedule = schedule
-        self.ops = lower(schedule, rank, train=train)
+        self.ops = [op for op in lower(schedule, rank, train=train) if op.kind not in without]
         self._instructions = [to_instruction(op) for op in self.ops]
 
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..schedules.ops import OpKind
+
 __all__ = ["StageGradReducer", "Zero3Reducer", "ZeroLayoutError", "check_zero_config", "whole_parameters"]
 
 
@@ -96,6 +98,8 @@ class StageGradReducer:
     parameters that are all-reduced across stages at the step tail (reduced in ``finish``).
     """
 
+    OPS = frozenset({OpKind.REDUCE_STAGE_GRADS})  # the lowered ops it acts on
+
     def __init__(self, optimizer: Any, stage_params: dict[int, list[torch.nn.Parameter]], *, tied: set[int]) -> None:
         _require(optimizer, _NEEDED, stage=2, wants="DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer)")
         self._opt = optimizer
@@ -156,6 +160,8 @@ class Zero3Reducer:
     model-parallel group spans the pipeline stages, so every stage but the first would drop
     out of the clipping norm; the tensor-slicing rank is what that rule means.
     """
+
+    OPS = frozenset({OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS})  # the lowered ops it acts on
 
     def __init__(self, optimizer: Any, stage_params: dict[int, list[torch.nn.Parameter]], *, tensor_parallel_rank: int) -> None:
         _require(optimizer, _NEEDED_3, stage=3, wants="DeepSpeed's DeepSpeedZeroOptimizer_Stage3")

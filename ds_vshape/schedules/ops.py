@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "BACKWARDS", "format_ops"]
+__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "BACKWARDS", "DATA_PARALLEL", "format_ops"]
 
 
 class OpKind(str, Enum):
@@ -36,6 +36,8 @@ POSTS = frozenset({OpKind.POST_ACT, OpKind.POST_GRAD})
 WAITS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
 COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT, OpKind.BACKWARD})
 BACKWARDS = COMPUTE - {OpKind.FORWARD}
+# Points for ZeRO's data-parallel work; an engine whose ZeRO stage needs none drops them.
+DATA_PARALLEL = frozenset({OpKind.REDUCE_STAGE_GRADS, OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS})
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,12 +12,11 @@ from typing import Any
 
 from .ir import Kind, Schedule
 from .lowering import lower
-from .ops import COMPUTE, Op, OpKind
+from .ops import COMPUTE, DATA_PARALLEL, Op, OpKind
 from .simulate import SimResult
 
-__all__ = ["DATA_PARALLEL_OPS", "data_parallel_events"]
+__all__ = ["data_parallel_events"]
 
-DATA_PARALLEL_OPS = frozenset({OpKind.REDUCE_STAGE_GRADS, OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS})
 _BEFORE = frozenset({OpKind.GATHER_PARAMS})  # placed before the next pass; the others after the previous one
 Unit = tuple[int, int, int]
 
@@ -49,7 +48,7 @@ def _span_of(op: Op, spans: dict[tuple[str, Unit], tuple[float, float]]) -> tupl
 def _times(ops: list[Op], spans: dict[tuple[str, Unit], tuple[float, float]]) -> list[tuple[float, Op]]:
     out: list[tuple[float, Op]] = []
     for i, op in enumerate(ops):
-        if op.kind not in DATA_PARALLEL_OPS:
+        if op.kind not in DATA_PARALLEL:
             continue
         step = 1 if op.kind in _BEFORE else -1
         j = i + step

@@ -91,6 +91,16 @@ def test_zero2_reduces_once_per_stage_per_step(results: dict, case: str) -> None
         assert [c[0] for c in res["reduce_calls"]] == [res["local_stages"] + 1] * len(res["losses"]), (case, rank, res["reduce_calls"])
 
 
+@pytest.mark.parametrize(("case", "ops"), [
+    ("bf16-zero1-breadth-first", []),  # no ZeRO-2/3: the data-parallel points are not dispatched at all
+    ("zero2-breadth-first", ["reduce_stage_grads"]),
+    ("zero3-breadth-first", ["gather_params", "release_params"]),
+])
+def test_the_engine_dispatches_only_the_data_parallel_ops_its_zero_stage_uses(results: dict, case: str, ops: list[str]) -> None:
+    for res in results[case]:
+        assert res["dp_ops"] == ops, (case, res["dp_ops"])
+
+
 def test_zero3_breadth_first_gathers_each_stage_once_per_direction(results: dict) -> None:
     """Breadth-first under ZeRO-3: per step, one gather per local stage and direction (the last
     stage's turn from forward to backward is one run), whatever m; 1f1b keeps its one stage."""

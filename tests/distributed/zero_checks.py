@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ds_vshape
+from ds_vshape.schedules.ops import DATA_PARALLEL
 from tests.distributed.checkpoint_checks import _refusal
 from tests.distributed.worker import _build, _config, _data, _device, _param_diff
 
@@ -107,6 +108,7 @@ def run_zero_case(case: dict[str, Any]) -> dict[str, Any]:
         "param_diff": _gathered_param_diff(engine, ref, case),
         "reduce_calls": calls,
         "local_stages": len(engine.module.local_stages),
+        "dp_ops": sorted({op.kind.value for op in engine._train_ir.ops if op.kind in DATA_PARALLEL}),
         "optimizer": type(engine.optimizer).__name__,
     }
 
