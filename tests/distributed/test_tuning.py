@@ -55,6 +55,24 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return _by_case(launch(PROFILE_CASES + AUTO_CASES, 2, tmp_path_factory.mktemp("tuning")))
 
 
+NCCL_CASES = ["profile-v-half-heavy", "auto-v-profile", "auto-linear-limit"]
+
+
+@pytest.fixture(scope="module")
+def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Profiling's collectives, auto's ping-pong hop and its switch of schedules under the NCCL
+    emulation (tags ignored, one ordered queue per pair of ranks)."""
+    cases = [c for c in PROFILE_CASES + AUTO_CASES if c["name"] in NCCL_CASES]
+    return _by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl=True))
+
+
+@pytest.mark.parametrize("case", NCCL_CASES)
+def test_profile_and_auto_match_the_reference_under_nccl_rules(results_nccl: dict, case: str) -> None:
+    _assert_parity(case, results_nccl[case])
+    assert len({str(r.get("parts")) for r in results_nccl[case]}) == 1, "every rank runs the same cut"
+    assert len({str(r.get("choice")) for r in results_nccl[case]}) == 1, "every rank runs the same choice"
+
+
 def _trained(results: dict, name: str, *, slack: float = 0.02) -> list[dict[str, Any]]:
     """Parity, one cut on every rank, and that cut is the pure cut of the measured costs."""
     ranks = results[name]
