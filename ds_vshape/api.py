@@ -27,6 +27,7 @@ from .runtime.module import PipelineModule, from_deepspeed_module, release_stock
 from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
 from .runtime.seq_chunks import check_module as check_seq_chunk_module
+from .runtime.post_validation import check_post_validation_config
 from .runtime.zero import check_zero_config
 from .schedules import Schedule, get_info
 
@@ -66,7 +67,7 @@ def initialize(
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
-        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, **auto,
+        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -131,6 +132,10 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     try:  # the registry says which ZeRO stages a schedule runs with
         check_zero_config(config, schedule=info.name, allowed=info.zero_stages, seq_chunks=schedule.seq_chunks,
                           tied=any(isinstance(spec, TiedLayerSpec) for spec in model._layer_specs))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        check_post_validation_config(config, enabled=vs.post_validation)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence

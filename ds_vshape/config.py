@@ -68,6 +68,15 @@ class PipelineConfig(BaseModel):
         "engine.peak_activation_bytes. Off: only on the steps that log it (every steps_per_print), so other steps "
         "pay nothing for the hooks.",
     )
+    post_validation: bool = Field(
+        False,
+        description="Optimizer post-validation (zero_optimization.stage 0): each rank steps as soon as its own "
+        "gradients are ready, the global gradient norm and inf/nan check (and the loss) arrive by an asynchronous "
+        "all-reduce, and a step that should have been clipped or skipped is undone and redone before the next "
+        "pass uses the weights; so train_batch ends without waiting for the other ranks and steps overlap. Keeps one "
+        "copy of weights, gradients and optimizer state. After the last train_batch call engine.settle() (or save a "
+        "checkpoint) before reading weights.",
+    )
     w_memory: float = Field(
         0.5, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
@@ -111,6 +120,7 @@ class PipelineConfig(BaseModel):
         if self.schedule is None:
             extra = [k for k in ("chunks", "seq_chunks", "memory_limit", *AUTO_KEYS) if getattr(self, k) is not None]
             extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
+            extra += ["post_validation"] if self.post_validation else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self

@@ -8,7 +8,6 @@ neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's outp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -27,9 +26,10 @@ from . import checkpoint as ckpt
 from . import instructions as ins
 from .comm import ACT, GRAD, P2P, Recv
 from .memory import ActivationMeter
-from .precision import agree_on_overflow, check_overflow_group, scale_loss
+from .precision import scale_loss
 from .seq_chunks import SeqChunks
 from .split_backward import WeightGradStore, enable_split_backward
+from .step import OptimizerStepMixin
 from .zero import whole_parameters
 from .zero_engine import ZeroPipelineMixin
 
@@ -39,14 +39,15 @@ log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 Unit = tuple[int, int, int]
 
 
-class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
+class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
-                 measure_memory: bool = False, **kwargs: Any) -> None:
+                 measure_memory: bool = False, post_validation: bool = False, **kwargs: Any) -> None:
         """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
-        ramp-up through ``set_train_batch_size``)."""
+        ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
+        information and check the global norm later (``runtime/post_validation.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -75,6 +76,7 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
             device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
         self._zero_reducer = self._stage_grad_reducer()
+        self._init_step(post_validation=post_validation)
         self._train_ir = self._ir(self.schedule)
         self._seq = SeqChunks(self.stage_id)
         self._reset_step_state()
@@ -145,6 +147,7 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
         self._saved: dict[int, tuple[Any, Any]] = {}
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
+        self.settle()  # the previous step's post-validation, before any pass uses the weights
         self._reset_step_state()
         self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
@@ -294,40 +297,9 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=True)
 
-    # ---- optimizer: clip by the norm over every stage -----------------------------------------
-    def clip_fp32_gradients(self) -> None:
-        """Clip by the global norm over all stages (DeepSpeed's own takes a per-stage norm)."""
-        max_norm = self.gradient_clipping()
-        grads = [(p.grad, getattr(p, "ds_pipe_replicated", False)) for p in self.module.parameters() if p.grad is not None]
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g, replicated in grads:
-            if not replicated:  # a tied copy on a second rank counts once, on its owner
-                local += g.detach().double().pow(2).sum()
-        dist.all_reduce(local, group=self.grid.get_pipe_parallel_group())
-        total = math.sqrt(local.item())
-        self._global_grad_norm = total
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g, _ in grads:
-                g.detach().mul_(coef)
-
-    # ---- optimizer: fp16 steps are skipped by every rank or by none -----------------------------
-    def _take_model_step(self, lr_kwargs: Any = None) -> None:
-        """DeepSpeed's step (unscale, inf/nan check, skip, scale update); fp16 adds agreement checks."""
-        if not self.fp16_enabled():
-            super()._take_model_step(lr_kwargs)
-            return
-        if not getattr(self, "_vs_overflow_group_checked", False):
-            check_overflow_group(self)  # before the first step, while no rank has stepped alone
-            self._vs_overflow_group_checked = True
-        super()._take_model_step(lr_kwargs)
-        if agree_on_overflow(self):
-            # All W ran before the step; drop anything parked anyway so the next step starts clean.
-            self._store.clear()
-            self._meter.set_extra(self._store.parked_bytes)
-
     # ---- checkpoints: optimizer state by global layer and name (see runtime/checkpoint.py) ----
     def _save_checkpoint(self, save_dir: str, tag: Any, client_state: Any = None, exclude_frozen_parameters: bool = False) -> None:
+        self.settle()  # never save a step that post-validation may still undo
         # The layer files take each parameter whole: under ZeRO-3 they would be saved as empty shards.
         with whole_parameters(self, modify=False):
             super()._save_checkpoint(save_dir, tag, client_state=client_state or {}, exclude_frozen_parameters=exclude_frozen_parameters)
@@ -339,6 +311,7 @@ class VShapeEngine(ZeroPipelineMixin, PipelineEngine):
                         custom_load_fn: Any = None) -> tuple[Any, Any]:
         """DeepSpeed's load; optimizer state saved under another schedule or p is mapped by layer, or refused."""
         self._refuse_zero3_weights_only(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only)
+        self.settle()  # every rank finishes the pending check (and any redo) before the load replaces it
         return ckpt.load(self, super().load_checkpoint, load_dir, tag, load_optimizer_states=load_optimizer_states,
                          load_module_only=load_module_only, load_module_strict=load_module_strict,
                          load_lr_scheduler_states=load_lr_scheduler_states, custom_load_fn=custom_load_fn)

@@ -86,7 +86,12 @@ def run_fp16_case(case: dict[str, Any]) -> dict[str, Any]:
         return _agreement_checks(engine)
     data = _poisoned(case, steps, m, engine.grid.get_data_parallel_rank())
     it = iter(data)
-    records = [_step_record(engine, engine.train_batch(it).item()) for _ in range(steps)]
+    records = []
+    for _ in range(steps):
+        loss = engine.train_batch(it)
+        if hasattr(engine, "settle"):
+            engine.settle()  # post-validation: the step's flags and scale are final only once checked
+        records.append(_step_record(engine, loss.item()))
     params = {name: q.detach().float().flatten().tolist() for name, q in engine.module.named_parameters()}
     return {
         "steps": records,
@@ -94,4 +99,5 @@ def run_fp16_case(case: dict[str, Any]) -> dict[str, Any]:
         "param_dtype": str(next(engine.module.parameters()).dtype),
         "optimizer": type(engine.optimizer).__name__,
         "dp_rank": engine.grid.get_data_parallel_rank(),
+        "redone": getattr(engine, "redone_steps", 0),
     }

@@ -337,6 +337,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed.tuning_checks import run_tuning_case
 
         return run_tuning_case(case)
+    if case.get("post_validation_case"):
+        from tests.distributed import post_validation_checks as pv
+
+        return pv.run_overlap_case(case) if case.get("overlap") else pv.run_post_validation_case(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 

@@ -1,0 +1,238 @@
+"""Optimizer post-validation: step on local information, check globally later, redo if wrong.
+
+Without it every rank ends a step in two pipeline-wide synchronisations: the global gradient
+norm (clipping, and for fp16/bf16 the inf/nan check) before the optimizer step, and the loss
+broadcast after it. Both make the first rank wait for the last one, so consecutive steps
+cannot overlap.
+
+With it (``pipeline.post_validation``), at the end of a step each rank:
+
+1. sums its own gradients' squares and non-finite values, adds the loss if it holds the last
+   stage, and starts one asynchronous all-reduce of that over the pipeline group;
+2. keeps an exact copy of everything the optimizer step changes (``StepSnapshot``);
+3. runs the optimizer step as if nothing were clipped or skipped, with the optimizer's own
+   pipeline-spanning reductions answered locally (``answered_locally``), and returns.
+
+Before anything uses the new weights (the next ``train_batch``/``eval_batch``, a checkpoint,
+``engine.settle()``), ``PostValidator.settle`` waits for the all-reduce. When the global
+figures say the step should have been clipped or skipped, every rank of the pipeline (they
+all see the same sums) restores its snapshot and redoes the step the ordinary way, with the
+optimizer's own reductions: the result is exactly that of an engine without
+post-validation. The check is conservative: a norm within ``MARGIN`` of the clipping
+threshold also redoes, so float rounding cannot flip a decision.
+
+Limits: ZeRO stage 0 only (ZeRO-1/2/3 shard the optimizer state; their steps reduce over the
+data-parallel group inside DeepSpeed's optimizer), and the snapshot costs one copy of the
+weights, gradients and optimizer state per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .pending import PendingValue
+from .snapshot import StepSnapshot
+
+__all__ = ["MARGIN", "PostValidator", "Verdict", "check_post_validation_config", "decide", "reduce_stats"]
+
+# A step whose clip coefficient is below 1 + MARGIN is redone: the optimizer computes its
+# own norm in another precision and order, so a decision this close to the threshold could
+# differ from ours.
+MARGIN = 1e-4
+
+_NORM_SQ, _NONFINITE, _DP_LOSS, _AGG_LOSS = range(4)
+
+
+def check_post_validation_config(config: dict[str, Any], *, enabled: bool) -> None:
+    """The front-door rule: post-validation needs ZeRO stage 0."""
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    if enabled and stage != 0:
+        raise ValueError(
+            f"pipeline.post_validation=true needs zero_optimization.stage 0, not {stage}: ZeRO's optimizer shards its state "
+            "and reduces over the data-parallel group inside its step, which post-validation cannot undo; set "
+            "zero_optimization.stage to 0 or pipeline.post_validation to false"
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the global figures say about a step taken on local information."""
+
+    norm: float  # the global gradient norm, unscaled (fp16: divided by the loss scale)
+    nonfinite: bool  # some rank had an inf or nan gradient
+    redo: bool  # the optimistic step was not the right one
+
+
+def decide(*, norm_sq: float, nonfinite: bool, clip: float, loss_scale: float, skips_nonfinite: bool) -> Verdict:
+    """Whether a step taken without clipping and without the inf/nan check must be redone.
+
+    ``skips_nonfinite``: the optimizer skips a step with inf/nan gradients (fp16 and bf16
+    wrappers); plain fp32 steps never check. ``clip`` 0 means no clipping. Clipping scales
+    by ``clip / (norm + 1e-6)`` when that is below 1, as DeepSpeed's optimizers do.
+    """
+    norm = math.sqrt(norm_sq) / loss_scale if norm_sq >= 0 else float("nan")
+    if nonfinite and skips_nonfinite:
+        return Verdict(norm, True, True)
+    redo = False
+    if clip > 0:
+        coef = clip / (norm + 1e-6)
+        redo = coef < 1 + MARGIN  # nan compares false, as in the optimizers (no clip)
+    return Verdict(norm, nonfinite, redo)
+
+
+def reduce_stats(stats: torch.Tensor, group: Any) -> Any:
+    """Start the sum of every rank's figures over the pipeline group (benchmarks wrap this)."""
+    return dist.all_reduce(stats, group=group, async_op=True)
+
+
+@contextmanager
+def answered_locally(engine: Any) -> Iterator[None]:
+    """The optimizer step without clipping and without pipeline-spanning reductions.
+
+    DeepSpeed's fp16/bf16 wrappers reduce their norm and overflow flag over the model-
+    parallel group (the whole pipeline) inside ``step``; with ``mpu`` and the overflow
+    checker's links cleared they use this rank's gradients only, and ``clip_grad`` 0 keeps
+    them from clipping. ``engine._vs_optimistic`` tells the engine's own clip to hold off.
+    """
+    opt = engine.optimizer
+    checker = getattr(opt, "overflow_checker", None)
+    saved = [(obj, name, getattr(obj, name)) for obj, name in (
+        (opt, "mpu"), (opt, "clip_grad"), (checker, "mpu"), (checker, "deepspeed"),
+    ) if obj is not None and hasattr(obj, name)]
+    for obj, name, _ in saved:
+        setattr(obj, name, 0.0 if name == "clip_grad" else None)
+    engine._vs_optimistic = True
+    try:
+        yield
+    finally:
+        engine._vs_optimistic = False
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def _grads_for_norm(engine: Any) -> list[torch.Tensor]:
+    """The gradients the optimizer takes its norm over (a tied copy counts once, on its owner)."""
+    opt = engine.optimizer
+    if engine.bfloat16_enabled() and hasattr(opt, "get_grads_for_norm"):
+        non_expert, _ = opt.get_grads_for_norm()  # its fp32 accumulators, the tied copy already left out
+        return list(non_expert)
+    return [p.grad for p in engine.module.parameters()
+            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+
+
+def _local_stats(engine: Any) -> torch.Tensor:
+    stats = torch.zeros(4, dtype=torch.float64, device=engine.device)
+    for g in _grads_for_norm(engine):
+        g = g.detach()
+        stats[_NORM_SQ] += g.double().pow(2).sum()
+        stats[_NONFINITE] += (~torch.isfinite(g)).sum()
+    return stats
+
+
+class PostValidator:
+    """One pipeline rank's optimistic steps and their later checks."""
+
+    def __init__(self, engine: Any) -> None:
+        self._group = engine.grid.get_pipe_parallel_group()
+        self._pending: _Pending | None = None
+        self.redone_steps = 0  # steps whose optimistic update was replaced (clipped or skipped)
+        self.last_verdict: Verdict | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def step(self, engine: Any, run_step: Callable[[], None]) -> None:
+        """Start the global check, then step on local information (``run_step`` is the
+        engine's ordinary step; it runs again, whole, if the check fails)."""
+        if self._pending is not None:
+            raise RuntimeError(f"pipeline rank {engine.stage_id}: optimizer step {engine.global_steps} started while the "
+                               "previous one was not settled; call engine.settle() between steps")
+        stats = _local_stats(engine)
+        losses = _last_stage_losses(engine, stats)
+        scale = _loss_scale(engine)
+        work = reduce_stats(stats, self._group)
+        snapshot = StepSnapshot.take(engine)
+        with answered_locally(engine):
+            run_step()
+        self._pending = _Pending(work, stats, snapshot, run_step, scale)
+        # train_batch returns agg_train_loss. On the last stage it is known now; elsewhere it
+        # arrives with the all-reduce, and the first use of the returned tensor waits for it.
+        if losses is None:
+            losses = PendingValue(stats[_DP_LOSS], self._wait), PendingValue(stats[_AGG_LOSS], self._wait)
+        engine.dp_group_loss, engine.agg_train_loss = losses
+
+    def _wait(self) -> None:
+        if self._pending is not None and self._pending.work is not None:
+            self._pending.work.wait()
+            self._pending.work = None
+
+    def settle(self, engine: Any) -> Verdict | None:
+        """Wait for the global figures; restore and redo the step when they say so."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._wait()
+        self._pending = None
+        verdict = decide(norm_sq=float(pending.stats[_NORM_SQ]), nonfinite=bool(pending.stats[_NONFINITE] > 0),
+                         clip=float(engine.gradient_clipping() or 0.0), loss_scale=pending.loss_scale,
+                         skips_nonfinite=engine.fp16_enabled() or engine.bfloat16_enabled())
+        if verdict.redo:
+            pending.snapshot.restore(engine)
+            # Every rank of the pipeline redoes: they all saw the same sums. A plain fp32 step
+            # clips with the norm found here (no second reduction, so no wait for the others);
+            # the fp16/bf16 wrappers run their own step, reductions included.
+            engine._vs_known_norm = verdict.norm
+            try:
+                pending.run_step()
+            finally:
+                engine._vs_known_norm = None
+            self.redone_steps += 1
+        else:
+            engine._global_grad_norm = verdict.norm  # the optimistic step could only see this rank's
+        self.last_verdict = verdict
+        return verdict
+
+
+@dataclass
+class _Pending:
+    work: Any
+    stats: torch.Tensor
+    snapshot: StepSnapshot
+    run_step: Callable[[], None]
+    loss_scale: float
+
+
+def _loss_scale(engine: Any) -> float:
+    """The scale the gradients carry (fp16), taken before the step may raise it."""
+    if not engine.fp16_enabled():
+        return 1.0
+    opt = engine.optimizer
+    config = getattr(opt, "loss_scale_config", None)
+    return float(config.cur_scale if config is not None else opt.loss_scale)
+
+
+def _last_stage_losses(engine: Any, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSpeed's step loss on the last stage (averaged over data-parallel replicas), put
+    into ``stats`` so the pipeline's all-reduce carries it to every rank: (this replica's,
+    the average); None elsewhere."""
+    if not engine.is_last_stage():
+        return None
+    if engine.total_additional_losses is not None:
+        raise ValueError(f"pipeline rank {engine.stage_id}: the model returns additional losses, which "
+                         "pipeline.post_validation does not carry to the other ranks; set pipeline.post_validation to false")
+    loss = engine._scale_loss_by_gas(engine.total_loss).clone().detach()
+    agg = loss.clone()
+    if engine.is_data_parallel:  # the replicas' last stages end together: a short wait among them
+        dist.all_reduce(agg, group=engine.mpu.get_data_parallel_group())
+        agg /= engine.dp_world_size
+    stats[_DP_LOSS], stats[_AGG_LOSS] = loss.double(), agg.double()
+    engine.agg_additional_losses = None
+    return loss, agg
