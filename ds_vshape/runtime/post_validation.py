@@ -18,7 +18,8 @@ Before anything uses the new weights (the next ``train_batch``/``eval_batch``, a
 figures say the step should have been clipped or skipped, every rank of the pipeline (they
 all see the same sums) restores its snapshot and redoes the step the ordinary way, with the
 optimizer's own reductions: the result is exactly that of an engine without
-post-validation. The check is conservative: a norm within ``MARGIN`` of the clipping
+post-validation. A plain fp32 step without clipping cannot be wrong, so nothing waits at all
+then. The check is conservative: a norm within ``MARGIN`` of the clipping
 threshold also redoes, so float rounding cannot flip a decision.
 
 Limits: ZeRO stage 0 only (ZeRO-1/2/3 shard the optimizer state; their steps reduce over the
@@ -142,6 +143,7 @@ class PostValidator:
     def __init__(self, engine: Any) -> None:
         self._group = engine.grid.get_pipe_parallel_group()
         self._pending: _Pending | None = None
+        self._in_flight: list[Any] = []  # unawaited all-reduces of steps that could not be wrong
         self.redone_steps = 0  # steps whose optimistic update was replaced (clipped or skipped)
         self.last_verdict: Verdict | None = None
 
@@ -166,21 +168,25 @@ class PostValidator:
         # train_batch returns agg_train_loss. On the last stage it is known now; elsewhere it
         # arrives with the all-reduce, and the first use of the returned tensor waits for it.
         if losses is None:
-            losses = PendingValue(stats[_DP_LOSS], self._wait), PendingValue(stats[_AGG_LOSS], self._wait)
+            losses = PendingValue(stats[_DP_LOSS], work.wait), PendingValue(stats[_AGG_LOSS], work.wait)
         engine.dp_group_loss, engine.agg_train_loss = losses
 
-    def _wait(self) -> None:
-        if self._pending is not None and self._pending.work is not None:
-            self._pending.work.wait()
-            self._pending.work = None
-
     def settle(self, engine: Any) -> Verdict | None:
-        """Wait for the global figures; restore and redo the step when they say so."""
+        """Wait for the global figures; restore and redo the step when they say so.
+
+        A plain fp32 step without clipping cannot be wrong (DeepSpeed neither clips nor checks
+        for inf/nan there): nothing is awaited, and the all-reduce, which still carries the
+        loss, completes in the background (kept referenced until it has).
+        """
         pending = self._pending
         if pending is None:
             return None
-        self._wait()
         self._pending = None
+        self._in_flight = [w for w in self._in_flight if not w.is_completed()]
+        if not (engine.fp16_enabled() or engine.bfloat16_enabled() or (engine.gradient_clipping() or 0.0) > 0):
+            self._in_flight.append(pending.work)
+            return None
+        pending.work.wait()
         verdict = decide(norm_sq=float(pending.stats[_NORM_SQ]), nonfinite=bool(pending.stats[_NONFINITE] > 0),
                          clip=float(engine.gradient_clipping() or 0.0), loss_scale=pending.loss_scale,
                          skips_nonfinite=engine.fp16_enabled() or engine.bfloat16_enabled())
