@@ -172,13 +172,13 @@ def _timed(fn: Callable[..., Any], name: str, probe: Probe, meter: bool) -> Call
 
 
 # ---- systems ---------------------------------------------------------------------------------
-def _ds_config(m: int, rows: int, pipeline: dict[str, Any]) -> dict[str, Any]:
+def _ds_config(m: int, rows: int, pipeline: dict[str, Any], *, clip: float = 0.0) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": rows,
         "gradient_accumulation_steps": m,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,  # clipping differs between engines (global vs per-stage norm); off for like-for-like
+        "gradient_clipping": clip,  # off by default: clipping differs between engines (global vs per-stage norm)
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -211,13 +211,14 @@ def build_deepspeed_like(system: str, schedule: str, args: argparse.Namespace, p
     if system == "ds_vshape":
         # Memory is measured every step, as for the other systems (the report compares it).
         config = _ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120,
-                                           "measure_memory": True})
+                                           "measure_memory": True, **getattr(args, "pipeline_extra", {})},
+                            clip=getattr(args, "clip", 0.0))
         engine, *_ = ds_vshape.initialize(model=module, config=config)
         runner.schedule = engine.schedule
         instrument_engine(engine, probe, meter_forward=False)
         runner.peak = lambda: int(engine.peak_activation_bytes)
     else:
-        config = _ds_config(m, args.rows, {})
+        config = _ds_config(m, args.rows, {}, clip=getattr(args, "clip", 0.0))
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=[q for q in module.parameters()])
         instrument_engine(engine, probe, meter_forward=True)
         runner.peak = lambda: int(probe.meter.peak_bytes)  # type: ignore[union-attr]

@@ -77,6 +77,14 @@ class PipelineConfig(BaseModel):
         "copy of weights, gradients and optimizer state. After the last train_batch call engine.settle() (or save a "
         "checkpoint) before reading weights.",
     )
+    speculate_after: int | None = Field(
+        10, ge=0,
+        description="post_validation only: after this many steps in a row that needed no redo, the next step starts "
+        "without waiting for the check (it arrives long before that step's optimizer step). Should the check then say "
+        "redo, the previous step is undone and redone and the speculated step runs again on the same micro-batches "
+        "(one step's work lost), and steps wait for the check until the next run of steps that stood. null: always "
+        "wait (the next step's first pass waits for the last rank's gradients).",
+    )
     w_memory: float = Field(
         0.5, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
@@ -114,6 +122,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:
+        if "speculate_after" in self.model_fields_set and not self.post_validation:
+            raise ValueError("pipeline.speculate_after applies only with pipeline.post_validation true; set that or remove it")
         for key in ("profile_sample", "profile_time_slack"):
             if key in self.model_fields_set and self.partition_method != "profile":
                 raise ValueError(f"pipeline.{key} applies only with pipeline.partition_method 'profile'; set that or remove it")

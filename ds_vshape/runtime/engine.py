@@ -43,11 +43,13 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
-                 measure_memory: bool = False, post_validation: bool = False, **kwargs: Any) -> None:
+                 measure_memory: bool = False, post_validation: bool = False, speculate_after: int | None = None,
+                 **kwargs: Any) -> None:
         """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
         ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
-        information and check the global norm later (``runtime/post_validation.py``)."""
+        information and check the global norm later, and after ``speculate_after`` steps
+        that stood, start the next step before the check arrives (``runtime/post_validation.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -76,7 +78,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
             device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
         )
         self._zero_reducer = self._stage_grad_reducer()
-        self._init_step(post_validation=post_validation)
+        self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
         self._seq = SeqChunks(self.stage_id)
         self._reset_step_state()
@@ -147,7 +149,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._saved: dict[int, tuple[Any, Any]] = {}
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        self.settle()  # the previous step's post-validation, before any pass uses the weights
+        self._settle_before_passes()  # the previous step's post-validation
         self._reset_step_state()
         self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
@@ -179,7 +181,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
 
     # ---- handlers ---------------------------------------------------------------------------
     def _exec_load(self, micro_batch: int) -> None:
-        batch = self._next_batch()
+        batch = self._load_batch()
         if self.is_first_stage():
             self._data[micro_batch] = _to_device(batch[0], self.device)
         if self.is_last_stage():

@@ -138,30 +138,52 @@ def _local_stats(engine: Any) -> torch.Tensor:
 
 
 class PostValidator:
-    """One pipeline rank's optimistic steps and their later checks."""
+    """One pipeline rank's optimistic steps and their later checks.
 
-    def __init__(self, engine: Any) -> None:
+    ``speculate_after``: once this many steps in a row needed no redo, the next step's
+    passes no longer wait for the check: they run on the optimistic weights and the check is
+    read at that step's optimizer step, when it has long arrived. If it then says redo, the
+    engine undoes and redoes the previous step and runs this one again on the same
+    micro-batches (``rerun_needed``), and waits for the checks again until the next run of
+    steps that stand. None: always wait before the next step's first pass.
+    """
+
+    def __init__(self, engine: Any, *, speculate_after: int | None = None) -> None:
         self._group = engine.grid.get_pipe_parallel_group()
         self._pending: _Pending | None = None
         self._in_flight: list[Any] = []  # unawaited all-reduces of steps that could not be wrong
+        self.speculate_after = speculate_after
+        self._streak = 0  # steps in a row that stood
         self.redone_steps = 0  # steps whose optimistic update was replaced (clipped or skipped)
+        self.rerun_steps = 0  # speculated steps that had to run again
+        self.rerun_needed = False
         self.last_verdict: Verdict | None = None
 
     @property
     def pending(self) -> bool:
         return self._pending is not None
 
+    @property
+    def speculating(self) -> bool:
+        """Whether the next train step may start before the pending check arrives."""
+        return (self._pending is not None and self._pending.may_redo and self.speculate_after is not None
+                and self._streak >= self.speculate_after)
+
     def step(self, engine: Any, run_step: Callable[[], None]) -> None:
         """Start the global check, then step on local information (``run_step`` is the
         engine's ordinary step; it runs again, whole, if the check fails)."""
-        if self._pending is not None:
-            raise RuntimeError(f"pipeline rank {engine.stage_id}: optimizer step {engine.global_steps} started while the "
-                               "previous one was not settled; call engine.settle() between steps")
+        if self._pending is not None:  # this step was speculated: the previous step's check is due
+            verdict = self._check(self._pending, engine)
+            if verdict.redo:
+                self.rerun_needed = True  # no update from passes that ran on weights about to change
+                return
+            self._accept(self._pending, verdict, engine)
         stats = _local_stats(engine)
         losses = _last_stage_losses(engine, stats)
         scale = _loss_scale(engine)
         work = reduce_stats(stats, self._group)
-        snapshot = StepSnapshot.take(engine)
+        may_redo = engine.fp16_enabled() or engine.bfloat16_enabled() or (engine.gradient_clipping() or 0.0) > 0
+        snapshot = StepSnapshot.take(engine) if may_redo else None
         with answered_locally(engine):
             run_step()
         self._pending = _Pending(work, stats, snapshot, run_step, scale)
@@ -181,39 +203,68 @@ class PostValidator:
         pending = self._pending
         if pending is None:
             return None
-        self._pending = None
         self._in_flight = [w for w in self._in_flight if not w.is_completed()]
-        if not (engine.fp16_enabled() or engine.bfloat16_enabled() or (engine.gradient_clipping() or 0.0) > 0):
+        if not pending.may_redo:
+            self._pending = None
             self._in_flight.append(pending.work)
             return None
+        verdict = self._check(pending, engine)
+        if verdict.redo:
+            self._pending = None
+            self._redo(pending, verdict, engine)
+        else:
+            self._accept(pending, verdict, engine)
+        return verdict
+
+    def redo_previous(self, engine: Any) -> None:
+        """After a speculated step found its predecessor wrong: undo and redo that one (the
+        speculated step's gradients go with the undo); the engine then runs the step again."""
+        pending, self._pending = self._pending, None
+        if pending is None or not self.rerun_needed or self.last_verdict is None:
+            raise RuntimeError(f"pipeline rank {engine.stage_id}: no speculated step to run again")
+        self.rerun_needed = False
+        self._redo(pending, self.last_verdict, engine)
+        self.rerun_steps += 1
+
+    def _check(self, pending: _Pending, engine: Any) -> Verdict:
         pending.work.wait()
         verdict = decide(norm_sq=float(pending.stats[_NORM_SQ]), nonfinite=bool(pending.stats[_NONFINITE] > 0),
                          clip=float(engine.gradient_clipping() or 0.0), loss_scale=pending.loss_scale,
                          skips_nonfinite=engine.fp16_enabled() or engine.bfloat16_enabled())
-        if verdict.redo:
-            pending.snapshot.restore(engine)
-            # Every rank of the pipeline redoes: they all saw the same sums. A plain fp32 step
-            # clips with the norm found here (no second reduction, so no wait for the others);
-            # the fp16/bf16 wrappers run their own step, reductions included.
-            engine._vs_known_norm = verdict.norm
-            try:
-                pending.run_step()
-            finally:
-                engine._vs_known_norm = None
-            self.redone_steps += 1
-        else:
-            engine._global_grad_norm = verdict.norm  # the optimistic step could only see this rank's
         self.last_verdict = verdict
         return verdict
+
+    def _accept(self, pending: _Pending, verdict: Verdict, engine: Any) -> None:
+        self._pending = None
+        self._streak += 1
+        engine._global_grad_norm = verdict.norm  # the optimistic step could only see this rank's
+
+    def _redo(self, pending: _Pending, verdict: Verdict, engine: Any) -> None:
+        assert pending.snapshot is not None  # taken whenever a redo was possible
+        pending.snapshot.restore(engine)
+        # Every rank of the pipeline redoes: they all saw the same sums. A plain fp32 step
+        # clips with the norm found here (no second reduction, so no wait for the others);
+        # the fp16/bf16 wrappers run their own step, reductions included.
+        engine._vs_known_norm = verdict.norm
+        try:
+            pending.run_step()
+        finally:
+            engine._vs_known_norm = None
+        self.redone_steps += 1
+        self._streak = 0
 
 
 @dataclass
 class _Pending:
     work: Any
     stats: torch.Tensor
-    snapshot: StepSnapshot
+    snapshot: StepSnapshot | None  # None when no redo is possible (plain fp32 without clipping)
     run_step: Callable[[], None]
     loss_scale: float
+
+    @property
+    def may_redo(self) -> bool:
+        return self.snapshot is not None
 
 
 def _loss_scale(engine: Any) -> float:

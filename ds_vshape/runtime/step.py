@@ -4,6 +4,7 @@ optional post-validation (``post_validation.py``), as an engine mixin."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from functools import partial
 from typing import Any
 
@@ -23,8 +24,44 @@ class OptimizerStepMixin:
     _vs_optimistic = False  # inside a post-validated step taken on local information
     _vs_known_norm: float | None = None  # fp32 redo: the global norm the check found
 
-    def _init_step(self, *, post_validation: bool) -> None:
-        self._validator = PostValidator(self) if post_validation else None
+    _vs_loaded: list[Any] | None = None  # micro-batches a speculated step read, for its rerun
+    _vs_replay: deque[Any] | None = None
+
+    def _init_step(self, *, post_validation: bool, speculate_after: int | None = None) -> None:
+        self._validator = PostValidator(self, speculate_after=speculate_after) if post_validation else None
+
+    # ---- speculated steps ------------------------------------------------------------------
+    def train_batch(self, *args: Any, **kwargs: Any) -> Any:
+        validator = self._validator
+        if validator is None or not validator.speculating:
+            return super().train_batch(*args, **kwargs)  # type: ignore[misc]
+        self._vs_loaded = []
+        try:
+            loss = super().train_batch(*args, **kwargs)  # type: ignore[misc]
+            if validator.rerun_needed:
+                # The previous step should have been clipped or skipped, and this one ran on its
+                # weights: redo that one, then run this one again on the micro-batches it read.
+                validator.redo_previous(self)
+                self._vs_replay, self._vs_loaded = deque(self._vs_loaded), None
+                loss = super().train_batch()  # type: ignore[misc]
+        finally:
+            self._vs_loaded = self._vs_replay = None
+        return loss
+
+    def _load_batch(self) -> Any:
+        """The next micro-batch: the data iterator's, or a speculated step's again on its rerun."""
+        if self._vs_replay is not None:
+            return self._vs_replay.popleft()
+        batch = self._next_batch()  # type: ignore[attr-defined]
+        if self._vs_loaded is not None:
+            self._vs_loaded.append(batch)
+        return batch
+
+    def _settle_before_passes(self) -> None:
+        """The previous step's check, before this step's first pass; a speculated train step
+        reads it at its own optimizer step instead."""
+        if not (self._validator is not None and self._validator.speculating and self.module.training):  # type: ignore[attr-defined]
+            self.settle()
 
     # ---- post-validation --------------------------------------------------------------------
     def settle(self) -> Verdict | None:
@@ -39,6 +76,11 @@ class OptimizerStepMixin:
     def redone_steps(self) -> int:
         """Post-validated steps that had to be undone and redone (clipped or skipped)."""
         return self._validator.redone_steps if self._validator is not None else 0
+
+    @property
+    def rerun_steps(self) -> int:
+        """Speculated steps that ran a second time (their predecessor was redone)."""
+        return self._validator.rerun_steps if self._validator is not None else 0
 
     def get_global_grad_norm(self) -> float | None:
         self.settle()

@@ -89,9 +89,11 @@ def run_fp16_case(case: dict[str, Any]) -> dict[str, Any]:
     records = []
     for _ in range(steps):
         loss = engine.train_batch(it)
-        if hasattr(engine, "settle"):
+        if hasattr(engine, "settle") and not case.get("late_records"):
             engine.settle()  # post-validation: the step's flags and scale are final only once checked
         records.append(_step_record(engine, loss.item()))
+    if hasattr(engine, "settle"):
+        engine.settle()
     params = {name: q.detach().float().flatten().tolist() for name, q in engine.module.named_parameters()}
     return {
         "steps": records,
@@ -100,4 +102,6 @@ def run_fp16_case(case: dict[str, Any]) -> dict[str, Any]:
         "optimizer": type(engine.optimizer).__name__,
         "dp_rank": engine.grid.get_data_parallel_rank(),
         "redone": getattr(engine, "redone_steps", 0),
+        "rerun": getattr(engine, "rerun_steps", 0),
+        "final": _step_record(engine, float("nan")),
     }

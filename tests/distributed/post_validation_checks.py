@@ -10,7 +10,9 @@ without post-validation.
 
 ``run_overlap_case``: the last pipeline rank holds its optimizer step of step k until rank 0
 has started a forward pass of step k+1 (a key in the default TCPStore, with a timeout). That
-can only happen when ``train_batch`` waits for no other rank at its end.
+can only happen when ``train_batch`` waits for no other rank at its end. With ``hold_at:
+stats`` it holds before it even sends its figures for the global check: then rank 0 gets there
+only by speculating.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ds_vshape
+from ds_vshape.runtime import post_validation as pv
 
 from .worker import _build, _config, _data, _param_diff, _reference
 
@@ -56,6 +59,7 @@ def _train(case: dict[str, Any], *, post_validation: bool) -> dict[str, Any]:
     for loss in returned:
         arrived_early.append(bool(getattr(loss, "arrived", True)))
     out = {"losses": [float(x) for x in returned], "verdicts": verdicts, "redone": engine.redone_steps,
+           "rerun": engine.rerun_steps,
            "skipped": int(engine.skipped_steps), "arrived_before_read": arrived_early,
            "params": {n: q.detach().float().flatten().tolist() for n, q in engine.module.named_parameters()}}
     if not case.get("bf16"):
@@ -82,6 +86,7 @@ def run_overlap_case(case: dict[str, Any]) -> dict[str, Any]:
     model, _, _ = _build(case, p)
     engine, *_ = ds_vshape.initialize(model=model, config=_pv_config(case, m, post_validation=case["post_validation"]))
     store = dist.distributed_c10d._get_default_store()
+    unpatched = pv.reduce_stats
     tag = case["name"]
     stage = engine.stage_id
     waits: list[str] = []
@@ -103,10 +108,20 @@ def run_overlap_case(case: dict[str, Any]) -> dict[str, Any]:
             except Exception:  # the store raises on timeout (its type differs across torch versions)
                 waits.append("timed out")
 
-        engine.optimizer.register_step_pre_hook(hold)
+        if case.get("hold_at") == "stats":  # before the rank even starts the global check
+            def held(stats: torch.Tensor, group: Any) -> Any:
+                hold()
+                return unpatched(stats, group)
+
+            pv.reduce_stats = held
+        else:
+            engine.optimizer.register_step_pre_hook(hold)
     it = iter(_data(case, steps, m))
-    for k in range(steps):
-        state["step"] = k
-        engine.train_batch(it)
-    engine.settle()
+    try:
+        for k in range(steps):
+            state["step"] = k
+            engine.train_batch(it)
+        engine.settle()
+    finally:
+        pv.reduce_stats = unpatched
     return {"waits": waits}

@@ -31,6 +31,7 @@ CLIP_M8 = 4.0
 SCHEDULES_P2 = ["1f1b", "zb-h1", "zb-h2", "v-zb", "v-half"]
 SCHEDULES_P4 = ["1f1b", "zb-h2", "v-zb"]
 FP16_SCHEDULES = ["1f1b", "v-zb"]
+SPECULATED = ["zb-h2", "v-zb"]
 POISON_FP16 = [[1, 2, 200.0], [2, 1, 200.0], [4, 3, "inf"]]
 
 
@@ -42,9 +43,14 @@ def _fp32(schedule: str, p: int) -> dict[str, Any]:
             "steps": 10, "layers": 8, "clip": CLIP if m == 4 else CLIP_M8}
 
 
-def _overlap(name: str, p: int, *, on: bool, clip: float, timeout_s: float) -> dict[str, Any]:
+def _overlap(name: str, p: int, *, on: bool, clip: float, timeout_s: float, **extra: Any) -> dict[str, Any]:
     return {"name": name, "post_validation_case": True, "overlap": True, "post_validation": on, "schedule": "zb-h1" if p == 2
-            else "v-zb", "p": p, "m": 2 * p, "layers": 8, "clip": clip, "timeout_s": timeout_s}
+            else "v-zb", "p": p, "m": 2 * p, "layers": 8, "clip": clip, "timeout_s": timeout_s, **extra}
+
+
+def _spec(case: dict[str, Any], after: int | None = 0) -> dict[str, Any]:
+    name = case["name"] + ("-spec" if after is not None else "-nospec")
+    return dict(case, name=name, pipeline={**case.get("pipeline", {}), "speculate_after": after}, late_records=True)
 
 
 def _fp16(schedule: str, on: bool) -> dict[str, Any]:
@@ -55,16 +61,20 @@ def _fp16(schedule: str, on: bool) -> dict[str, Any]:
 
 def _cases_p2() -> list[dict[str, Any]]:
     cases = [_fp32(s, 2) for s in SCHEDULES_P2] + [dict(_fp32("v-zb", 2), name="fp32-noclip", clip=0.0)]
+    cases += [_spec(_fp32(s, 2)) for s in SPECULATED]
     cases += [_overlap("overlap-on", 2, on=True, clip=100.0, timeout_s=60), _overlap("overlap-redo", 2, on=True, clip=0.05, timeout_s=60),
               _overlap("overlap-off", 2, on=False, clip=100.0, timeout_s=5)]
-    cases += [_fp16(s, on) for s in FP16_SCHEDULES for on in (True, False)]
+    stats_hold = _overlap("overlap-stats", 2, on=True, clip=100.0, timeout_s=60, hold_at="stats")
+    cases += [_spec(stats_hold), _spec(dict(stats_hold, timeout_s=5), None)]
+    cases += [_fp16(s, on) for s in FP16_SCHEDULES for on in (True, False)] + [_spec(_fp16("v-zb", True))]
     cases += [{"name": "bf16-v-zb", "post_validation_case": True, "compare_plain": True, "bf16": True, "schedule": "v-zb", "p": 2,
                "m": 4, "steps": 10, "layers": 8, "clip": CLIP, "poison": [[3, 1]]}]
     return cases
 
 
 def _cases_p4() -> list[dict[str, Any]]:
-    return [_fp32(s, 4) for s in SCHEDULES_P4] + [_overlap("overlap-on-p4", 4, on=True, clip=100.0, timeout_s=60)]
+    return [_fp32(s, 4) for s in SCHEDULES_P4] + [_spec(_fp32("zb-h2", 4))] + [
+        _overlap("overlap-on-p4", 4, on=True, clip=100.0, timeout_s=60)]
 
 
 def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -87,8 +97,10 @@ def _ok(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ranks
 
 
-def _check_fp32(ranks: list[dict[str, Any]]) -> None:
+def _check_fp32(ranks: list[dict[str, Any]], *, speculated: bool = False) -> None:
     for rank, r in enumerate(_ok(ranks)):
+        # Speculated: a step after one that is redone ran twice; otherwise none ran twice.
+        assert (r["rerun"] > 0) is speculated, f"rank {rank}: {r['rerun']} reruns"
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), f"rank {rank}"
         assert r["param_diff"] < 1e-5, f"rank {rank}: parameters off the reference by {r['param_diff']}"
         redo = [v["redo"] for v in r["verdicts"]]
@@ -108,6 +120,18 @@ def test_post_validation_matches_the_reference_at_p4_under_nccl_rules(p4: Any, s
     _check_fp32(p4[f"fp32-{schedule}-p4"])
 
 
+@pytest.mark.parametrize("schedule", SPECULATED)
+def test_speculated_steps_match_the_reference(p2: Any, p4: Any, schedule: str) -> None:
+    _check_fp32(p2[f"fp32-{schedule}-p2-spec"], speculated=True)
+    if schedule == "zb-h2":
+        _check_fp32(p4["fp32-zb-h2-p4-spec"], speculated=True)
+
+
+def test_a_speculated_step_starts_before_the_last_rank_sends_its_figures(p2: Any) -> None:
+    assert _ok(p2["overlap-stats-spec"])[-1]["waits"] == ["released", "released"]
+    assert _ok(p2["overlap-stats-nospec"])[-1]["waits"] == ["timed out", "timed out"]  # the control: waits for the check
+
+
 def test_without_clipping_fp32_steps_are_never_awaited(p2: Any) -> None:
     for rank, r in enumerate(_ok(p2["fp32-noclip"])):
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5) and r["param_diff"] < 1e-5, f"rank {rank}"
@@ -125,10 +149,17 @@ def test_without_post_validation_rank0_waits_for_the_last_rank(p2: Any) -> None:
     assert _ok(p2["overlap-off"])[-1]["waits"] == ["timed out", "timed out"]
 
 
-@pytest.mark.parametrize("schedule", FP16_SCHEDULES)
-def test_fp16_post_validation_equals_the_plain_engine(p2: Any, schedule: str) -> None:
-    with_pv, plain = _ok(p2[f"fp16-{schedule}-pv"]), _ok(p2[f"fp16-{schedule}-plain"])
+@pytest.mark.parametrize("name", [f"fp16-{s}-pv" for s in FP16_SCHEDULES] + ["fp16-v-zb-pv-spec"])
+def test_fp16_post_validation_equals_the_plain_engine(p2: Any, name: str) -> None:
+    with_pv, plain = _ok(p2[name]), _ok(p2[name.replace("-pv", "-plain").replace("-spec", "")])
     for rank, (a, b) in enumerate(zip(with_pv, plain)):
+        assert a["final"]["skipped"] == b["final"]["skipped"] and a["final"]["scale"] == b["final"]["scale"]
+        if name.endswith("-spec"):  # per-step flags are read before their check there: compare the outcome
+            assert a["rerun"] > 0, f"rank {rank}: no step ran twice"
+            assert [s["loss"] for s in a["steps"]] == pytest.approx([s["loss"] for s in b["steps"]], rel=1e-6, nan_ok=True)
+            for pname, values in b["params"].items():
+                assert a["params"][pname] == pytest.approx(values, rel=1e-6, abs=1e-7), f"rank {rank} {pname}"
+            continue
         assert [s["overflow"] for s in a["steps"]] == [s["overflow"] for s in b["steps"]], f"rank {rank}"
         assert sum(s["overflow"] for s in b["steps"]) >= 2, "the poison must overflow"
         assert [s["scale"] for s in a["steps"]] == [s["scale"] for s in b["steps"]]
