@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv test test-unit test-distributed test-gpu train bench bench-seq bench-zero clean-venv
+.PHONY: venv test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady clean-venv
 
 venv: $(STAMP)
 
@@ -48,6 +48,18 @@ bench: venv
 # Only the long-sequence table (Seq1F1B vs 1F1B, benchmarks/results/seq1f1b.md), about 4 minutes.
 bench-seq: venv
 	PATH="$(abspath $(BIN)):$$PATH" SYNC=0 SEQ=1 bash benchmarks/run.sh
+
+# "schedule": "auto" against every fixed schedule on three cost profiles (emulated device), and V-Half/V-Min
+# memory with partition_method profile (tiny Llama): benchmarks/results/auto.md, 4 CPU ranks, about 10 minutes.
+bench-auto: venv
+	PATH="$(abspath $(BIN)):$$PATH" bash benchmarks/run_auto.sh
+
+# Steps back to back on the asynchronous emulated device: post-validation against DeepSpeed 1F1B and torch ZBV,
+# with and without clipping (benchmarks/results/steady.md and steady_*.png), 4 CPU ranks, about 5 minutes.
+bench-steady: venv
+	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/steady.jsonl
+	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29537 benchmarks/bench_steady.py --out benchmarks/results/raw/steady.jsonl
+	$(BIN)/python benchmarks/report_steady.py benchmarks/results/raw/steady.jsonl benchmarks/results
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,7 +9,8 @@ With it (``pipeline.post_validation``), at the end of a step each rank:
 
 1. sums its own gradients' squares and non-finite values, adds the loss if it holds the last
    stage, and starts one asynchronous all-reduce of that over the pipeline group;
-2. keeps an exact copy of everything the optimizer step changes (``StepSnapshot``);
+2. keeps an exact copy of everything the optimizer step changes (``StepSnapshot``), when a
+   redo is possible at all;
 3. runs the optimizer step as if nothing were clipped or skipped, with the optimizer's own
    pipeline-spanning reductions answered locally (``answered_locally``), and returns.
 
@@ -21,6 +22,12 @@ optimizer's own reductions: the result is exactly that of an engine without
 post-validation. A plain fp32 step without clipping cannot be wrong, so nothing waits at all
 then. The check is conservative: a norm within ``MARGIN`` of the clipping
 threshold also redoes, so float rounding cannot flip a decision.
+
+Speculation (``speculate_after``): after a run of steps that stood, the next train step does not
+wait for the check before its first pass; the check is read at that step's own optimizer step,
+by when it has long arrived. A redo then also makes the engine run the speculated step again
+on the same micro-batches (``OptimizerStepMixin.train_batch``), since its passes used weights
+that changed.
 
 Limits: ZeRO stage 0 only (ZeRO-1/2/3 shard the optimizer state; their steps reduce over the
 data-parallel group inside DeepSpeed's optimizer), and the snapshot costs one copy of the
@@ -282,9 +289,6 @@ def _last_stage_losses(engine: Any, stats: torch.Tensor) -> tuple[torch.Tensor, 
     the average); None elsewhere."""
     if not engine.is_last_stage():
         return None
-    if engine.total_additional_losses is not None:
-        raise ValueError(f"pipeline rank {engine.stage_id}: the model returns additional losses, which "
-                         "pipeline.post_validation does not carry to the other ranks; set pipeline.post_validation to false")
     loss = engine._scale_loss_by_gas(engine.total_loss).clone().detach()
     agg = loss.clone()
     if engine.is_data_parallel:  # the replicas' last stages end together: a short wait among them
