@@ -40,3 +40,15 @@ def test_v_schedule_keeps_remote_bs_split_unlike_fuse_everything() -> None:
     costs = Costs(f=1.0, b=1.0, w=1.0)
     # Fusing a B whose gradient is sent holds the send back by W: slower here.
     assert simulate(ran, costs).makespan < simulate(replace(sched, ranks=fuse_all), costs).makespan
+
+
+def test_two_steps_back_to_back_tile_zb_h2_but_not_1f1b() -> None:
+    """ZB-H2 leaves no idle time between a rank's first and last pass, so with nothing holding
+    the ranks at a step's end its steps tile: the second step adds exactly m x (F+B+W)."""
+    from benchmarks.report_steady import two_steps
+    from ds_vshape.schedules import generate, simulate
+
+    for name, tiles in (("zb-h2", True), ("1f1b", False)):
+        one = generate(name, 4, 8)
+        added = simulate(two_steps(one)).makespan - simulate(one).makespan
+        assert (added == 8 * 3) is tiles, (name, added)
