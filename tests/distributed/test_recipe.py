@@ -98,3 +98,17 @@ def test_breadth_first_zero3_on_pp2xdp2_matches_stock_zero0(tmp_path: Path) -> N
                config=config, ranks=4)
         losses[config] = [r["loss"] for r in _rows(work / "m.jsonl")]
     assert losses["zero/breadth-first-zero3"] == pytest.approx(losses["deepspeed-1f1b"], rel=1e-5), losses
+
+
+def test_post_validation_config_gives_the_plain_losses(tmp_path: Path) -> None:
+    """ds_configs/post_validation/zb-h2.json (clipping 1.0, AdamW, WarmupLR, speculating after 2
+    steps) trains the recipe's model to the same losses as ds_configs/zb-h2.json."""
+    losses, summaries = {}, {}
+    for config in ("post_validation/zb-h2", "zb-h2"):
+        work = tmp_path / config.replace("/", "-")
+        work.mkdir()
+        _train(work, "--steps", "5", "--metrics-out", str(work / "m.jsonl"), config=config)
+        losses[config] = [r["loss"] for r in _rows(work / "m.jsonl")]
+        summaries[config] = json.loads((work / "m.summary.json").read_text())
+    assert losses["post_validation/zb-h2"] == pytest.approx(losses["zb-h2"], rel=1e-6), losses
+    assert summaries["post_validation/zb-h2"]["val_loss"] == pytest.approx(summaries["zb-h2"]["val_loss"], rel=1e-6)
