@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import os
 import sys
 import time
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         hop = be.TransferModel(args.latency_us * 1e-6, args.bandwidth_gbs * 1e9).seconds(args.rows * args.dim * 4)
-        _append(args.out, {"kind": "setup", "p": p, "t_pass_s": args.t_pass, "hop_s": hop, "steps": args.steps,
+        be._append(args.out, {"kind": "setup", "p": p, "t_pass_s": args.t_pass, "hop_s": hop, "steps": args.steps,
                            "warmup": args.warmup, "layers_per_rank": args.layers_per_rank})
     for m, case in itertools.product(args.m, cases):
         groups = be._process_groups()
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         be.release_groups(groups)
         if rank == 0:
             label, system, schedule, keys, clip = case
-            _append(args.out, {"kind": "case", "label": label, "system": system, "schedule": schedule, "pipeline": keys,
+            be._append(args.out, {"kind": "case", "label": label, "system": system, "schedule": schedule, "pipeline": keys,
                                "clip": clip, "p": p, "m": m, "t_pass_s": args.t_pass, "ranks": gathered})
             print(f"[steady p={p} m={m}] {label:24s} {_status(gathered, args.steps)}", flush=True)
     dist.barrier()
@@ -197,7 +196,7 @@ def _status(gathered: list[dict[str, Any]], steps: int) -> str:
     return f"period {(ends[-1] - ends[0]) / (steps - 1):.4f} s"
 
 
-def _append(path: Path, obj: dict[str, Any]) -> None:
+def be._append(path: Path, obj: dict[str, Any]) -> None:
     with path.open("a") as fh:
         fh.write(json.dumps(obj) + "\n")
 
