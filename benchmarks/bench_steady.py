@@ -196,11 +196,6 @@ def _status(gathered: list[dict[str, Any]], steps: int) -> str:
     return f"period {(ends[-1] - ends[0]) / (steps - 1):.4f} s"
 
 
-def be._append(path: Path, obj: dict[str, Any]) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(obj) + "\n")
-
-
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()
