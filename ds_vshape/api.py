@@ -61,7 +61,10 @@ def initialize(
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
     # The schedule is made here, once; the engine gets it, and the same generator for batch
     # ramp-up, but never the config itself.
-    auto = {"auto": vs.auto_settings(zero_stage=_zero_stage(config_dict))} if vs.schedule == "auto" else {}
+    auto = {}
+    if vs.schedule == "auto":
+        auto["auto"] = vs.auto_settings(zero_stage=_zero_stage(config_dict), stages=schedule.stages,
+                                        micro_batches=schedule.micro_batches)
     engine = (AutoEngine if auto else VShapeEngine)(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),

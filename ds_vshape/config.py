@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .schedules import Costs, Schedule, generate, get_info
-from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options
+from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options, measuring_schedule
 from .tuning import ProfileSample
 
 __all__ = ["PipelineConfig", "parse_pipeline_config", "ConfigError"]
@@ -95,11 +95,16 @@ class PipelineConfig(BaseModel):
         """The schedule this config asks for, for p pipeline ranks and m micro-batches."""
         if self.schedule is None:
             raise ValueError("pipeline.schedule is not set")
-        return generate(
-            self.first_schedule, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks,
-            memory_limit=None if self.schedule == "auto" else self.memory_limit,  # auto: for the pick, not the safe schedule
-            costs=Costs(w_memory=self.w_memory), check=check,
-        )
+        name, limit = self.first_schedule, self.memory_limit
+        if self.schedule == "auto":  # what the measuring steps run, within memory_limit
+            name, limit = self._measuring_schedule(stages, micro_batches)
+        return generate(name, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks, memory_limit=limit,
+                        costs=Costs(w_memory=self.w_memory), check=check)
+
+    def _measuring_schedule(self, stages: int, micro_batches: int) -> tuple[str, float | None]:
+        return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
+                                  memory_limit=self.memory_limit, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
+                                  w_memory=self.w_memory)
 
     @field_validator("schedule")
     @classmethod
@@ -113,12 +118,13 @@ class PipelineConfig(BaseModel):
         """The schedule the engine starts with: for auto, its placement's safe schedule."""
         return SAFE[self.auto_placement or "v"] if self.schedule == "auto" else str(self.schedule)
 
-    def auto_settings(self, *, zero_stage: int) -> AutoSettings:
+    def auto_settings(self, *, zero_stage: int, stages: int, micro_batches: int) -> AutoSettings:
         """What auto chooses from and within, for the engine (which does not read the config)."""
+        warmup, warmup_limit = self._measuring_schedule(stages, micro_batches)
         return AutoSettings(placement=self.auto_placement or "v", warmup_steps=self.auto_warmup_steps or 2,
                             names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
-                            w_memory=self.w_memory, zero_stage=zero_stage)
+                            w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit)
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:

@@ -23,12 +23,15 @@ from .ir import Kind, Schedule
 from .registry import generate, get_info, schedule_names
 from .simulate import simulate
 
-__all__ = ["PLACEMENTS", "SAFE", "AutoSettings", "Measured", "Candidate", "Choice", "candidates", "to_costs",
+__all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "to_costs",
            "peak_bytes", "pick", "make_chosen", "AUTO_KEYS", "check_auto_options"]
 
 PLACEMENTS = ("linear", "v", "looped")
 # Measured first: split backward (B and W timed apart), and within the family's usual memory.
 SAFE = {"linear": "zb-h1", "v": "v-min", "looped": "interleaved"}
+# Each placement's generator that keeps a memory limit (M_B): what auto measures under when
+# the safe schedule would hold more than the limit.
+BOUNDED = {"linear": "zb-auto", "v": "v-adaptive"}
 # The config keys that only auto reads.
 AUTO_KEYS = ("auto_placement", "auto_warmup_steps", "auto_candidates", "memory_limit_bytes")
 
@@ -46,10 +49,12 @@ class AutoSettings:
     memory_limit_bytes: float | None = None
     w_memory: float = 0.5
     zero_stage: int = 0
+    warmup_schedule: str | None = None  # what the measuring steps run (measuring_schedule); None: SAFE's
+    warmup_limit: float | None = None  # its memory limit in M_B, for a BOUNDED one
 
     @property
     def safe(self) -> str:
-        return SAFE[self.placement]
+        return self.warmup_schedule or SAFE[self.placement]
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,37 @@ def check_auto_options(schedule: str, *, placement: str | None, warmup_steps: in
         if info.placement != family:
             raise ValueError(f"pipeline.auto_candidates: {info.name!r} runs on the {info.placement!r} placement, not "
                              f"auto_placement {family!r}; remove it or change auto_placement")
+
+
+def measuring_schedule(placement: str, *, stages: int, micro_batches: int, memory_limit: float | None,
+                       chunks: int | None, seq_chunks: int, w_memory: float) -> tuple[str, float | None]:
+    """The schedule auto's measuring steps run, and its memory limit (M_B).
+
+    The placement's safe schedule, unless a ``memory_limit`` is set that its simulated peak is
+    above: then the placement's memory-bounded generator at that limit, so measuring never holds
+    more than the limit the user set. The looped placement has no bounded generator, and below
+    what the bounded one can keep the safe schedule is the least there is: then it runs, and
+    the choice that follows warns that nothing fits. ``memory_limit_bytes`` cannot be checked
+    before anything is measured.
+    """
+    name = SAFE[placement]
+    if memory_limit is None or placement not in BOUNDED:
+        return name, None
+    costs = Costs(w_memory=w_memory)
+    safe = generate(name, stages, micro_batches, chunks=chunks, seq_chunks=seq_chunks, costs=costs, check=False)
+    peak = simulate(safe, costs).max_peak_memory
+    if peak <= memory_limit * (1 + 1e-9):
+        return name, None
+    if seq_chunks > 1:
+        raise ValueError(f"pipeline.memory_limit {memory_limit:g} M_B is below the {peak:.2f} M_B that auto's measuring "
+                         f"schedule {name!r} holds with seq_chunks {seq_chunks}, and no memory-bounded schedule cuts sequences; "
+                         "raise memory_limit or drop seq_chunks")
+    try:
+        generate(BOUNDED[placement], stages, micro_batches, seq_chunks=seq_chunks, memory_limit=memory_limit, costs=costs,
+                 check=False)
+    except ValueError:  # below the least the placement can hold: that least is the safe schedule's (pick warns)
+        return name, None
+    return BOUNDED[placement], memory_limit
 
 
 def candidates(settings: AutoSettings, *, stages: int, micro_batches: int) -> list[str]:
@@ -192,7 +228,7 @@ def _overhead(settings: AutoSettings, measured: Measured, costs: Costs, stages: 
     so it is added to each alike; it moves the predicted time, never the choice."""
     if measured.step <= 0:
         return 0.0
-    safe = _make(settings.safe, settings, stages, micro_batches, costs, None)
+    safe = _make(settings.safe, settings, stages, micro_batches, costs, settings.warmup_limit)
     return max(0.0, measured.step - simulate(safe, costs).makespan)
 
 

@@ -91,9 +91,33 @@ def test_peak_bytes_weigh_the_simulator_count_by_stage() -> None:
 def test_auto_config_starts_with_the_safe_schedule() -> None:
     vs = parse_pipeline_config({"pipeline": {"schedule": "auto", "auto_placement": "linear", "seq_chunks": 2}})
     assert vs.first_schedule == "zb-h1" and vs.make_schedule(2, 4).seq_chunks == 2
-    settings = vs.auto_settings(zero_stage=1)
+    settings = vs.auto_settings(zero_stage=1, stages=2, micro_batches=4)
     assert settings.placement == "linear" and settings.warmup_steps == 2 and settings.zero_stage == 1
+    assert settings.safe == "zb-h1" and settings.warmup_limit is None
     assert parse_pipeline_config({"pipeline": {"schedule": "auto"}}).make_schedule(2, 4).name == "v-min"
+
+
+@pytest.mark.parametrize(("placement", "limit", "measured_under"),
+                         [("linear", 2.0, "zb-auto"), ("linear", 4.0, "zb-h1"), ("v", 3.0, "v-min"), ("v", 2.5, "v-min")])
+def test_auto_measures_within_the_memory_limit(placement: str, limit: float, measured_under: str) -> None:
+    """The measuring steps never hold more than memory_limit: above it, the placement's bounded generator runs."""
+    vs = parse_pipeline_config({"pipeline": {"schedule": "auto", "auto_placement": placement, "memory_limit": limit}})
+    schedule = vs.make_schedule(4, 8)
+    costs = Costs(w_memory=vs.w_memory)
+    assert schedule.name == measured_under and simulate(schedule, costs).max_peak_memory <= limit + 1e-9
+    settings = vs.auto_settings(zero_stage=0, stages=4, micro_batches=8)
+    assert settings.safe == measured_under and settings.warmup_limit == (limit if measured_under == "zb-auto" else None)
+
+
+def test_below_the_least_a_placement_holds_auto_measures_under_that_least() -> None:
+    vs = parse_pipeline_config({"pipeline": {"schedule": "auto", "memory_limit": 1.5}})  # V: v-min holds 2 M_B at p=4
+    assert vs.make_schedule(4, 8).name == "v-min"
+
+
+def test_auto_refuses_a_limit_no_measuring_schedule_keeps_with_seq_chunks() -> None:
+    vs = parse_pipeline_config({"pipeline": {"schedule": "auto", "auto_placement": "linear", "memory_limit": 2.0, "seq_chunks": 2}})
+    with pytest.raises(ValueError, match="pipeline.memory_limit 2 M_B is below .* no memory-bounded schedule cuts sequences"):
+        vs.make_schedule(4, 8)
 
 
 @pytest.mark.parametrize(
