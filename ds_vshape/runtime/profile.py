@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import ConfigError, PipelineConfig
 from ..schedules import Schedule
-from ..schedules.partition import Cut, LayerCost, cut_layers, stage_inflight
+from ..schedules.partition import Cut, LayerCost, cut_layers, pool_alike, stage_inflight
 from ..tuning import INTEGER_DTYPES, SampleTensor
 from .carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
@@ -107,7 +107,8 @@ def _make(spec: SampleTensor | tuple[SampleTensor, ...], g: torch.Generator) -> 
 
 
 def measure_layers(model: DSPipelineModule, sample: tuple[Any, Any]) -> list[LayerCost]:
-    """Every layer's cost, the same list on every rank (collective over the world).
+    """Every layer's cost, the same list on every rank (collective over the world); alike
+    layers (same class, parameter shapes and saved bytes) share their median time (``pool_alike``).
 
     The sample goes down this rank's pipeline, stage after stage: the owner of a stage
     measures its layers and sends the last activation to the next stage's owner. A rank that
@@ -124,14 +125,27 @@ def measure_layers(model: DSPipelineModule, sample: tuple[Any, Any]) -> list[Lay
                 try:
                     for i in range(lo, hi):
                         last = i == n - 1
-                        local[i], x = _measure(funcs[i], x, model.loss_fn if last else None,
-                                               _to_device(sample[1]) if last else None)
+                        cost, x = _measure(funcs[i], x, model.loss_fn if last else None,
+                                           _to_device(sample[1]) if last else None)
+                        local[i] = (cost, None if last else _kind(funcs[i], cost))
                 except Exception as err:  # handed on and raised on every rank below
                     error = f"measuring layer {i} for partition_method 'profile' failed: {type(err).__name__}: {err}"
             if s + 1 < len(ranges) and ranges[s + 1][0] != owner:
                 x, error = _hand_over(model, (x, error), owner, ranges[s + 1][0], me)
     gathered = gather_checked(local, error)
-    return _merge(gathered, n)
+    costs = _merge([{i: c for i, (c, _) in g.items()} for g in gathered], n)
+    kinds = [next(g[i][1] for g in gathered if i in g) for i in range(n)]
+    return list(pool_alike(costs, kinds))
+
+
+def _kind(func: Any, cost: LayerCost) -> str | None:
+    """What makes two layers alike: class, parameter shapes and dtypes, and bytes saved for backward
+    (None for a plain function: alike to nothing)."""
+    module = func.args[0] if isinstance(func, partial) else func
+    if not isinstance(module, nn.Module):
+        return None
+    shapes = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters())
+    return f"{type(module).__module__}.{type(module).__qualname__}|{shapes}|{cost.activation_bytes:.0f}"
 
 
 def _stage_ranges(model: DSPipelineModule) -> list[tuple[int, int, int]]:

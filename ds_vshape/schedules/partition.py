@@ -29,7 +29,7 @@ import numpy as np
 from .ir import Kind, Schedule
 from .placement import linear, vshape
 
-__all__ = ["LayerCost", "Cut", "cut_layers", "rank_loads", "stage_inflight"]
+__all__ = ["LayerCost", "Cut", "cut_layers", "pool_alike", "rank_loads", "stage_inflight"]
 
 _INF = float("inf")
 # The V DP is O(p L^4 / 12) element operations; beyond this many layers it would take
@@ -69,6 +69,31 @@ class Cut:
     @property
     def busiest_memory(self) -> float:
         return max(self.rank_memory)
+
+
+def pool_alike(costs: Sequence[LayerCost], kinds: Sequence[str | None]) -> tuple[LayerCost, ...]:
+    """Layers of one kind (``kinds[i]``; None: alike to no other) take the median time of their kind.
+
+    Identical blocks cost the same; their measured times differ only by noise, and a cut that
+    follows that noise can put the blocks where they hold far more memory (the slack that trades
+    time for memory is smaller than the noise). Pooling makes alike layers exchangeable, so
+    the memory criterion decides between them.
+    """
+    if len(kinds) != len(costs):
+        raise ValueError(f"pool_alike: {len(costs)} costs but {len(kinds)} kinds")
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind is not None:
+            groups.setdefault(kind, []).append(i)
+    out = list(costs)
+    for members in groups.values():
+        if len(members) > 1:
+            times = sorted(costs[i].time for i in members)
+            mid = len(times) // 2
+            median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+            for i in members:
+                out[i] = LayerCost(median, costs[i].activation_bytes, costs[i].param_bytes)
+    return tuple(out)
 
 
 def stage_inflight(schedule: Schedule, *, kept_until_w: float = 0.0) -> tuple[float, ...]:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ds_vshape.schedules import generate, linear, looped, vshape
-from ds_vshape.schedules.partition import LayerCost, cut_layers, rank_loads, stage_inflight
+from ds_vshape.schedules import Costs, generate, linear, looped, vshape
+from ds_vshape.schedules.partition import LayerCost, cut_layers, pool_alike, rank_loads, stage_inflight
 
 
 def _brute(costs: list[LayerCost], placement: tuple[int, ...], held: tuple[float, ...], slack: float) -> tuple[float, float]:
@@ -102,3 +102,30 @@ def test_bad_input_says_what_to_change(costs: list[LayerCost], placement: tuple[
 def test_layer_costs_must_be_numbers_at_least_zero() -> None:
     with pytest.raises(ValueError, match="LayerCost.time"):
         LayerCost(float("nan"))
+
+
+def test_alike_layers_share_their_median_time() -> None:
+    costs = [LayerCost(1.0, 5.0), LayerCost(2.9, 8.0), LayerCost(3.3, 8.0), LayerCost(3.0, 8.0), LayerCost(7.0, 1.0)]
+    pooled = pool_alike(costs, [None, "block", "block", "block", None])
+    assert [c.time for c in pooled] == [1.0, 3.0, 3.0, 3.0, 7.0]
+    assert [c.activation_bytes for c in pooled] == [c.activation_bytes for c in costs]
+    with pytest.raises(ValueError, match="3 costs but 2 kinds"):
+        pool_alike(costs[:3], [None, None])
+
+
+def test_pooling_lets_memory_decide_between_alike_blocks() -> None:
+    """The recipe's tiny Llama as profile measured it once (benchmarks/repro_profile_slack.py):
+    8 identical decoder blocks whose times differ by noise only. Cut for v-half at p=4, the noise
+    puts rank 0's blocks in stage 0 (5 micro-batches held) and rank 0 holds 14.2 MiB; pooled,
+    they go to stage 7 (1 held) and the busiest rank is one of the others."""
+    kib = 1024
+    blocks_ms = (3.12, 2.86, 3.25, 3.19, 3.08, 3.09, 3.33, 3.21)
+    costs = ([LayerCost(0.47e-3, 2 * kib, 64 * kib)] + [LayerCost(t * 1e-3, 1358 * kib, 196 * kib) for t in blocks_ms]
+             + [LayerCost(0.70e-3, 451 * kib, 64 * kib)])
+    schedule = generate("v-half", 4, 8, costs=Costs(w_memory=0.5))
+    inflight = stage_inflight(schedule, kept_until_w=0.5)
+    noisy = cut_layers(costs, schedule.stage_to_rank, inflight=inflight)
+    pooled = cut_layers(pool_alike(costs, [None] + ["block"] * 8 + [None]), schedule.stage_to_rank, inflight=inflight)
+    assert noisy.rank_memory[0] > 1.5 * max(noisy.rank_memory[1:])
+    assert pooled.rank_memory[0] < 0.5 * max(pooled.rank_memory[1:])
+    assert max(pooled.rank_memory) < 0.6 * max(noisy.rank_memory)
