@@ -1,7 +1,8 @@
 """Optimizer post-validation on real DeepSpeed engines and gloo ranks.
 
-Two launches: 2 ranks on plain gloo; 4 ranks under the NCCL emulation, where consecutive
-steps overlap, so a transfer of step k+1 may meet a peer still in step k.
+Two launches: 2 ranks on plain gloo; 4 ranks under the NCCL emulation (a 4-stage pipeline, and
+2 stages x 2 data-parallel replicas), where consecutive steps overlap, so a transfer of step
+k+1 may meet a peer still in step k.
 
 * fp32: every schedule trains 10 steps with post-validation and a clipping threshold (8.5)
   between the steps' gradient norms (about 6.5 to 11 here): some steps stand, others are
@@ -73,7 +74,8 @@ def _cases_p2() -> list[dict[str, Any]]:
 
 
 def _cases_p4() -> list[dict[str, Any]]:
-    return [_fp32(s, 4) for s in SCHEDULES_P4] + [_spec(_fp32("zb-h2", 4))] + [
+    dp2 = dict(_fp32("v-zb", 2), name="fp32-v-zb-dp2")  # 2 stages x 2 data-parallel replicas
+    return [_fp32(s, 4) for s in SCHEDULES_P4] + [_spec(_fp32("zb-h2", 4)), dp2, _spec(dp2)] + [
         _overlap("overlap-on-p4", 4, on=True, clip=100.0, timeout_s=60)]
 
 
@@ -125,6 +127,11 @@ def test_speculated_steps_match_the_reference(p2: Any, p4: Any, schedule: str) -
     _check_fp32(p2[f"fp32-{schedule}-p2-spec"], speculated=True)
     if schedule == "zb-h2":
         _check_fp32(p4["fp32-zb-h2-p4-spec"], speculated=True)
+
+
+@pytest.mark.parametrize("name", ["fp32-v-zb-dp2", "fp32-v-zb-dp2-spec"])
+def test_post_validation_with_data_parallel_replicas(p4: Any, name: str) -> None:
+    _check_fp32(p4[name], speculated=name.endswith("-spec"))
 
 
 def test_a_speculated_step_starts_before_the_last_rank_sends_its_figures(p2: Any) -> None:
