@@ -32,13 +32,11 @@ schedule and the costs auto measured.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -55,7 +53,7 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, _ds_config, _micro_batches, _process_groups, hop_latency, release_groups  # noqa: E402
+from benchmarks.bench_emulated import _append, _ds_config, _micro_batches, hop_latency, run_everywhere  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
 from ds_vshape.runtime import instructions as ins  # noqa: E402
 from ds_vshape.schedules import Costs, generate, get_info, simulate  # noqa: E402
@@ -274,18 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[auto p={p}] {len(plan)} cases (m {args.m}, rounds {rounds})", flush=True)
     for rnd, m, profile, placement, name, same in plan:
         t0 = time.perf_counter()
-        groups = _process_groups()
         DEVICE.reset()
-        try:
-            mine: dict[str, Any] = run_case(name, profile, placement, args, p, m)
-        except Exception as err:  # recorded, so the other cases still run
-            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-        gathered: list[Any] = [None] * p
-        dist.all_gather_object(gathered, mine)
-        gc.collect()
-        dist.barrier()
-        release_groups(groups)
-        gc.collect()
+        gathered = run_everywhere(lambda: run_case(name, profile, placement, args, p, m))
         if rank == 0:
             record = {"kind": "case", "profile": profile, "placement": placement, "schedule": name, "same_as": same, "p": p, "m": m,
                       "round": rnd, "memory_limit": memory_limit(profile, args, p),

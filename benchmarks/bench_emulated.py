@@ -320,6 +320,24 @@ def release_groups(before: set[Any]) -> int:
     return len(new)
 
 
+def run_everywhere(case: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run one case on every rank and return every rank's result. An exception is recorded as
+    the rank's result (so the other cases still run); the process groups the case made are
+    released after the final collective."""
+    groups = _process_groups()
+    try:
+        mine = case()
+    except Exception as err:  # recorded so the other cases still run
+        mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    gc.collect()
+    dist.barrier()
+    release_groups(groups)
+    gc.collect()
+    return gathered
+
+
 def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: int, rank: int) -> dict[str, Any]:
     t_build = time.perf_counter()
     if system == "torch":
@@ -436,18 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = [(rnd, t, m, c) for rnd in range(args.rounds) for t, m, c in (order if rnd % 2 == 0 else order[::-1])]
     for rnd, t_pass, m, (system, schedule) in plan:
         t0 = time.perf_counter()
-        groups = _process_groups()
         case_args = argparse.Namespace(**{**vars(args), "t_pass": t_pass})
-        try:
-            mine: dict[str, Any] = run_case(system, schedule, case_args, p, m, rank)
-        except Exception as err:  # recorded so the other systems still run
-            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-        gathered: list[Any] = [None] * p
-        dist.all_gather_object(gathered, mine)
-        gc.collect()
-        dist.barrier()
-        release_groups(groups)
-        gc.collect()
+        gathered = run_everywhere(lambda: run_case(system, schedule, case_args, p, m, rank))
         if rank == 0:
             record = {"kind": "case", "system": system, "schedule": schedule, "p": p, "m": m, "t_pass_s": t_pass,
                       "round": rnd, "device": args.device, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +41,7 @@ if str(ROOT) not in sys.path:
 import deepspeed  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, _process_groups, release_groups  # noqa: E402
+from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.runtime import instructions as ins  # noqa: E402
 from ds_vshape.schedules.auto import peak_bytes  # noqa: E402
@@ -169,17 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = [(rnd, method, schedule) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules]
     for rnd, method, schedule in plan:
         t0 = time.perf_counter()
-        groups = _process_groups()
-        try:
-            mine: dict[str, Any] = run_case(schedule, method, args, p, train_ids)
-        except Exception as err:  # recorded, so the other cases still run
-            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-        gathered: list[Any] = [None] * p
-        dist.all_gather_object(gathered, mine)
-        gc.collect()
-        dist.barrier()
-        release_groups(groups)
-        gc.collect()
+        gathered = run_everywhere(lambda: run_case(schedule, method, args, p, train_ids))
         if rank == 0:
             record = {"kind": "case", "schedule": schedule, "method": method, "round": rnd, "p": p, "wall_s": time.perf_counter() - t0,
                       "ranks": gathered}

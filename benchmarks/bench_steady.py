@@ -29,12 +29,10 @@ Usage (4 ranks; rank 0 appends one JSON line per case; report_steady.py makes th
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -168,16 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         be._append(args.out, {"kind": "setup", "p": p, "t_pass_s": args.t_pass, "hop_s": hop, "steps": args.steps,
                            "warmup": args.warmup, "layers_per_rank": args.layers_per_rank})
     for m, case in itertools.product(args.m, cases):
-        groups = be._process_groups()
-        try:
-            mine: dict[str, Any] = run_case(case, args, p, m, rank)
-        except Exception as err:  # recorded so the other cases still run
-            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-        gathered: list[Any] = [None] * p
-        dist.all_gather_object(gathered, mine)
-        gc.collect()
-        dist.barrier()
-        be.release_groups(groups)
+        gathered = be.run_everywhere(lambda: run_case(case, args, p, m, rank))
         if rank == 0:
             label, system, schedule, keys, clip = case
             be._append(args.out, {"kind": "case", "label": label, "system": system, "schedule": schedule, "pipeline": keys,
