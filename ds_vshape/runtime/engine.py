@@ -13,7 +13,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
