@@ -26,7 +26,7 @@ import torch.distributed as dist
 import ds_vshape
 from ds_vshape.runtime import post_validation as pv
 
-from .worker import _build, _config, _data, _param_diff, _reference
+from .worker import _build, _config, _data, _device, _param_diff, _reference
 
 __all__ = ["run_post_validation_case", "run_overlap_case"]
 
@@ -41,7 +41,8 @@ def _train(case: dict[str, Any], *, post_validation: bool) -> dict[str, Any]:
     p, m, steps = case["p"], case["m"], case.get("steps", 10)
     model, ref, loss_fn = _build(case, p)
     engine, *_ = ds_vshape.initialize(model=model, config=_pv_config(case, m, post_validation=post_validation))
-    data = _data(case, steps, m)
+    ref.to(_device())
+    data = [(x.to(_device()), y.to(_device())) for x, y in _data(case, steps, m)]  # cuda:r under the GPU tier
     if case.get("bf16"):
         data = [(x.bfloat16(), y.bfloat16()) for x, y in data]
     for step, micro_batch in case.get("poison", []):
@@ -116,7 +117,7 @@ def run_overlap_case(case: dict[str, Any]) -> dict[str, Any]:
             pv.reduce_stats = held
         else:
             engine.optimizer.register_step_pre_hook(hold)
-    it = iter(_data(case, steps, m))
+    it = iter([(x.to(_device()), y.to(_device())) for x, y in _data(case, steps, m)])
     try:
         for k in range(steps):
             state["step"] = k
