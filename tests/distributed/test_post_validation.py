@@ -1,8 +1,9 @@
 """Optimizer post-validation on real DeepSpeed engines and gloo ranks.
 
-Two launches: 2 ranks on plain gloo; 4 ranks under the NCCL emulation (a 4-stage pipeline, and
-2 stages x 2 data-parallel replicas), where consecutive steps overlap, so a transfer of step
-k+1 may meet a peer still in step k.
+Two launches, both under the NCCL emulation (tags ignored, per-pair issue order): 2 ranks, and
+4 ranks (a 4-stage pipeline, and 2 stages x 2 data-parallel replicas). Consecutive steps
+overlap, so a transfer of step k+1 may meet a peer still in step k. Plain gloo runs the same
+engine paths in the other distributed tests.
 
 * fp32: every schedule trains 10 steps with post-validation and a clipping threshold (8.5)
   between the steps' gradient norms (about 6.5 to 11 here): some steps stand, others are
@@ -85,7 +86,7 @@ def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2")))
+    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl=True))
 
 
 @pytest.fixture(scope="module")
