@@ -21,11 +21,7 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [[ -z ${PYTHON:-} ]]; then
-    if command -v python >/dev/null && python -c 'import deepspeed' >/dev/null 2>&1; then PYTHON=python
-    elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python
-    else PYTHON=python3; fi
-fi
+source benchmarks/python.sh
 T_PASS=${T_PASS:-0.02}
 WARMUP=${WARMUP:-1}
 STEPS=${STEPS:-3}

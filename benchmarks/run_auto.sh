@@ -17,11 +17,7 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [[ -z ${PYTHON:-} ]]; then
-    if command -v python >/dev/null && python -c 'import deepspeed' >/dev/null 2>&1; then PYTHON=python
-    elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python
-    else PYTHON=python3; fi
-fi
+source benchmarks/python.sh
 AUTO=${AUTO:-1}
 MEMORY=${MEMORY:-1}
 M=${M:-"8 16"}
