@@ -167,10 +167,6 @@ class PostValidator:
         self.last_verdict: Verdict | None = None
 
     @property
-    def pending(self) -> bool:
-        return self._pending is not None
-
-    @property
     def speculating(self) -> bool:
         """Whether the next train step may start before the pending check arrives."""
         return (self._pending is not None and self._pending.may_redo and self.speculate_after is not None
@@ -184,13 +180,12 @@ class PostValidator:
             if verdict.redo:
                 self.rerun_needed = True  # no update from passes that ran on weights about to change
                 return
-            self._accept(self._pending, verdict, engine)
+            self._accept(verdict, engine)
         stats = _local_stats(engine)
         losses = _last_stage_losses(engine, stats)
         scale = _loss_scale(engine)
         work = reduce_stats(stats, self._group)
-        may_redo = engine.fp16_enabled() or engine.bfloat16_enabled() or (engine.gradient_clipping() or 0.0) > 0
-        snapshot = StepSnapshot.take(engine) if may_redo else None
+        snapshot = StepSnapshot.take(engine) if _may_redo(engine) else None
         with answered_locally(engine):
             run_step()
         self._pending = _Pending(work, stats, snapshot, run_step, scale)
@@ -220,7 +215,7 @@ class PostValidator:
             self._pending = None
             self._redo(pending, verdict, engine)
         else:
-            self._accept(pending, verdict, engine)
+            self._accept(verdict, engine)
         return verdict
 
     def redo_previous(self, engine: Any) -> None:
@@ -238,11 +233,11 @@ class PostValidator:
         norm_sq = float(pending.stats[_NORM_SQ])
         verdict = decide(norm_sq=norm_sq, nonfinite=not math.isfinite(norm_sq),
                          clip=float(engine.gradient_clipping() or 0.0), loss_scale=pending.loss_scale,
-                         skips_nonfinite=engine.fp16_enabled() or engine.bfloat16_enabled())
+                         skips_nonfinite=_skips_nonfinite(engine))
         self.last_verdict = verdict
         return verdict
 
-    def _accept(self, pending: _Pending, verdict: Verdict, engine: Any) -> None:
+    def _accept(self, verdict: Verdict, engine: Any) -> None:
         self._pending = None
         self._streak += 1
         engine._global_grad_norm = verdict.norm  # the optimistic step could only see this rank's
@@ -273,6 +268,16 @@ class _Pending:
     @property
     def may_redo(self) -> bool:
         return self.snapshot is not None
+
+
+def _skips_nonfinite(engine: Any) -> bool:
+    """DeepSpeed's fp16 and bf16 wrappers skip a step with inf/nan gradients; plain fp32 never checks."""
+    return bool(engine.fp16_enabled() or engine.bfloat16_enabled())
+
+
+def _may_redo(engine: Any) -> bool:
+    """Whether the global check can overturn a step taken on local figures."""
+    return _skips_nonfinite(engine) or (engine.gradient_clipping() or 0.0) > 0
 
 
 def _loss_scale(engine: Any) -> float:
