@@ -1,27 +1,53 @@
 # Everything installs itself into a local .venv; nothing is needed beforehand
 # but python3 (>= 3.10) with venv.  A GPU user picks another torch build, e.g.
 #   make venv TORCH_SPEC="torch==2.6.0 --index-url <your CUDA wheel index>"
-# (the stamp only tracks pyproject.toml: `make clean-venv` to change torch).
+# (the stamp tracks pyproject.toml and the lock files: `make clean-venv` to change torch).
+#
+# .venv gets the exact versions CI tests (constraints.txt; constraints-torch.txt for torch's own
+# requirements while TORCH_SPEC is the default). `make test-latest` builds .venv-latest with the
+# newest versions pyproject.toml allows and runs the tiers that read library internals.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LATEST := .venv-latest
+# torch's requirements are pinned only for the default build: another build brings its own.
+ifeq ($(origin TORCH_SPEC),file)
+TORCH_LOCK := -c constraints-torch.txt
+endif
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady clean-venv
+.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady clean-venv
 
 venv: $(STAMP)
 
 # torch goes first so that deepspeed (built from source) and the rest see it
 # and pip does not pull a different, CUDA-laden torch to satisfy `torch>=2.4`.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt constraints-torch.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(TORCH_SPEC)
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install $(TORCH_SPEC) $(TORCH_LOCK)
+	$(BIN)/python -m pip install -c constraints.txt $(TORCH_LOCK) -e '.[dev]'
 	touch $@
+
+# The newest versions pyproject.toml allows (torch stays TORCH_SPEC's), in a venv of their own:
+# the unit tier and the Hugging Face engine tiers, which are what an upstream change breaks first.
+$(LATEST)/.installed: pyproject.toml
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install $(TORCH_SPEC)
+	$(LATEST)/bin/python -m pip install --upgrade --upgrade-strategy eager -e '.[dev]'
+	touch $@
+
+test-latest: $(LATEST)/.installed
+	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|deepspeed|transformers|pydantic)=='
+	$(TEST_ENV) $(LATEST)/bin/pytest -q tests/unit tests/distributed/test_hf_pipeline.py tests/distributed/test_seq_chunks_engine.py
+
+# Promote what test-latest ran with to the lock files (run test-latest first; review the diff).
+lock: $(LATEST)/.installed
+	bash .ci/lock.sh $(LATEST)/bin/python
 
 test: venv
 	$(TEST_ENV) $(BIN)/pytest -q tests

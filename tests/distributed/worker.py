@@ -24,6 +24,7 @@ from torch import nn
 import deepspeed
 import ds_vshape
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from tests.distributed.cpu_fp16 import allow_cpu_fp16
 
 DIM = 8
 ROWS = 4  # micro-batch size
@@ -457,6 +458,8 @@ def main() -> None:
         nccl_emulation.install()
     if BACKEND == "nccl":
         torch.cuda.set_device(_device())
+    else:
+        allow_cpu_fp16()
     deepspeed.init_distributed(dist_backend=BACKEND)
     rank = int(os.environ.get("RANK", "0"))
     results = {}
