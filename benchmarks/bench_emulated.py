@@ -43,6 +43,7 @@ import ds_vshape  # noqa: E402
 from benchmarks.async_device import AsyncDevice, ReadyTable, TransferModel, default_table_path  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
 from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv  # noqa: E402
+from ds_vshape.runtime.p2p_groups import pair_groups  # noqa: E402
 from ds_vshape.runtime.memory import ActivationMeter  # noqa: E402
 from ds_vshape.schedules import schedule_names  # noqa: E402
 
@@ -410,7 +411,9 @@ def _ping_pong(name: str, rank: int, buf: torch.Tensor, iters: int) -> list[floa
             dist.recv(buf, peer) if rank == 0 else dist.send(buf, peer)
             times.append(time.perf_counter() - t0)
         return times
-    p2p = P2P(global_rank_of=list(range(dist.get_world_size())), device=torch.device("cpu"), timeout_s=60, my_rank=rank)
+    world = list(range(dist.get_world_size()))
+    groups = pair_groups([world], [(a, a + 1) for a in world[:-1]], rank)
+    p2p = P2P(global_rank_of=world, groups=groups, device=torch.device("cpu"), timeout_s=60, my_rank=rank)
     # Rank 1 receives activations into stage 1; rank 0 receives gradients into stage 0.
     p2p.start_step()
     if rank == 1:

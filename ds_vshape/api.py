@@ -23,6 +23,7 @@ from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.auto import AutoEngine
 from .runtime.engine import VShapeEngine
 from .runtime.carry import carry_weights
+from .runtime.device import bind_local_device
 from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
@@ -54,6 +55,7 @@ def initialize(
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
     _init_distributed(kwargs)
+    bind_local_device(args)  # before carry and profile touch a tensor (DeepSpeed binds it only later)
     module, schedule = _prepare_module(model, vs, config_dict, training_data=training_data, collate_fn=kwargs.get("collate_fn"))
     if module is not model:
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)

@@ -24,6 +24,7 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from torch import nn
 
 from ..config import ConfigError
+from .device import comm_device
 
 __all__ = ["unit_of", "unit_holders", "global_rank_of", "gather_checked", "carry_weights"]
 
@@ -79,7 +80,7 @@ def carry_weights(stock: DSPipelineModule, new: DSPipelineModule) -> None:
             recvs[unit] = (src_rank, _signature(_unit_module(new, unit)))
     gathered = gather_checked((sends, recvs), None)
     _check_signatures(gathered)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = comm_device()
     for unit, src, dst in plan:  # the same order on every rank: no pair can wait on the other
         src_rank, dst_rank = global_rank_of(stock, src), global_rank_of(stock, dst)
         if me == src_rank and sends[unit]:

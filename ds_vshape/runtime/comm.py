@@ -1,14 +1,24 @@
 """Point-to-point transfers between pipeline ranks, issued in the order lowering fixed.
 
-NCCL's rules are the contract, so the same code is correct on gloo and on GPUs:
+NCCL's rules, as torch's ProcessGroupNCCL runs them, are the contract, so the same code is
+correct on gloo and on GPUs:
 
+* **One communicator per pair.** Each pair of neighbouring pipeline ranks has a 2-rank
+  process group of its own (``p2p_groups``), and every operation goes out through
+  ``batch_isend_irecv`` on it, alone or grouped: under eager and lazy NCCL init alike the
+  pair then has one communicator and one stream, so a receive posted from one neighbour
+  never holds back a send to the other, and header and payload share one order.
 * **No tags.** Every message goes with tag 0; between two ranks the i-th send meets the
   i-th receive. Lowering (``schedules.p2p_order``) gives both ranks of a pair one order of
   transfers, so position is meaning.
 * **Issue order is completion order per pair.** This class issues exactly what the lowered
   ops say, when they say it: ``post`` (a non-blocking receive), ``send`` (non-blocking),
   ``recv`` (wait for a posted receive, right before the pass that needs it). A post marked
-  ``with_next`` goes out in one ``batch_isend_irecv`` group with the send after it.
+  ``with_next`` goes out in one batch with the send after it.
+* **One Work per batch.** A batch is tracked as a whole (``p2p_waits.Batch``): on NCCL it
+  returns a single Work for all its tensors.
+* **Waits leave the host free on NCCL** (``p2p_waits``): stream-ordered, with hangs still
+  named within ``timeout_s``; only shape headers are read on the host.
 * **Shapes.** The shapes travel in a small header only with the first transfer of each
   (direction, stage) in a step (lowering marks which), or with every transfer when the
   module has ``dynamic_shape``. A receive that brings a header can post its payload only
@@ -16,23 +26,23 @@ NCCL's rules are the contract, so the same code is correct on gloo and on GPUs:
   the next operation with that peer, the header is read and the payload posted.
 
 Sends are released as soon as they are known complete, so in-flight buffers do not pile
-up over a step; ``inflight`` lists what is still held. Known complete: the backend says so
-(NCCL does; gloo only once waited), or a receive from the same peer completed that was
-posted after the send was issued, because the pair order makes the peer post the send's
-receive before it sends anything later (the wait then returns at once). A step that
-fails leaves posted operations that neither NCCL nor gloo can cancel: the object then
-refuses further steps with an error that says to rebuild the engine.
+up over a step; ``inflight`` lists what is still held. Known complete: the backend says so,
+or a receive from the same peer completed that was posted after the send was issued (one
+stream per pair: the send ran before it). A step that fails leaves posted operations that
+neither NCCL nor gloo can cancel: the object then refuses further steps with an error that
+says to rebuild the engine.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .p2p_waits import Batch, HostWaits, P2PError, P2PTimeoutError, StreamWaits, Waits
 
 __all__ = ["ACT", "GRAD", "P2P", "P2PError", "P2PTimeoutError", "Recv"]
 
@@ -48,19 +58,10 @@ _WHAT = {ACT: "activations", GRAD: "gradients"}
 
 Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 Link = tuple[int, int]  # (direction, consuming stage)
-Works = list[tuple[dist.Work, torch.Tensor]]
-
-
-class P2PError(RuntimeError):
-    """A transfer failed (the peer closed its connection, say); the message names which one."""
-
-
-class P2PTimeoutError(P2PError):
-    """A transfer did not complete in time; the message names who waited for what."""
 
 
 class _Op(NamedTuple):
-    """One send or receive to issue: tensor and the peer's process rank."""
+    """One send or receive to issue: tensor and the peer's pipeline rank."""
 
     send: bool
     tensor: torch.Tensor
@@ -95,22 +96,41 @@ class _Posted:
     """A receive in flight: its header (until read), then its payload."""
 
     recv: Recv
-    header: tuple[dist.Work, torch.Tensor] | None = None
-    payload: Works | None = None
-    sends_before: int = 0  # sends to the same peer issued before this receive was posted
+    header: tuple[Batch, torch.Tensor] | None = None
+    batch: Batch | None = None  # the payload's batch (None while held for the next send)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    sends_before: int = 0  # send batches to the same peer issued before this receive was posted
+
+
+@dataclass
+class _Sent:
+    """A send batch in flight: its buffers live until it is known complete."""
+
+    batch: Batch
+    tensors: list[torch.Tensor]
+    peer: int
+    number: int  # per peer, over the engine's life
 
 
 @dataclass
 class P2P:
-    """Transfers for one pipeline rank. ``global_rank_of`` maps a pipeline rank to a process rank."""
+    """Transfers for one pipeline rank.
+
+    ``global_rank_of`` maps a pipeline rank to a process rank; ``groups`` maps each peer
+    pipeline rank to the pair's process group (``p2p_groups.pair_groups``);
+    ``stream_waits``: wait on the device stream (NCCL) rather than on the host (gloo).
+    """
 
     global_rank_of: list[int]
+    groups: dict[int, Any]
     device: torch.device
     timeout_s: float
     my_rank: int
     dynamic_shape: bool = False
-    _sends: deque = field(default_factory=deque)  # (work, tensor, label, peer, count), oldest first
-    _sent_count: dict[int, int] = field(default_factory=dict)  # per peer, over the engine's life
+    stream_waits: bool = False
+    _waits: Waits = field(init=False)
+    _sends: deque[_Sent] = field(default_factory=deque)  # oldest first
+    _sent_count: dict[int, int] = field(default_factory=dict)  # send batches per peer, over the engine's life
     _posted: dict[tuple, _Posted] = field(default_factory=dict)
     _unread: dict[int, _Posted] = field(default_factory=dict)  # peer -> posted receive whose header is unread
     _held: list[tuple[_Op, _Posted]] = field(default_factory=list)  # a post waiting for its group's send
@@ -118,6 +138,10 @@ class P2P:
     _sent: dict[Link, Meta] = field(default_factory=dict)  # announced this step
     _broken: str | None = None
     peak_inflight_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        policy = StreamWaits if self.stream_waits else HostWaits
+        self._waits = policy(timeout_s=self.timeout_s, my_rank=self.my_rank)
 
     # ---- step framing -----------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -134,9 +158,8 @@ class P2P:
 
     def drain(self) -> None:
         """Wait for every send of the step (their buffers must live until then)."""
-        while self._sends:
-            work, _tensor, label, *_ = self._sends.popleft()
-            self._wait(work, label)
+        self._waits.settle([sent.batch for sent in self._sends])
+        self._sends.clear()
         if self._posted or self._held:
             pending = [p.recv.label() for p in self._posted.values()][:3]
             raise RuntimeError(f"pipeline rank {self.my_rank}: the step ended with receives posted but never used: {pending}")
@@ -155,9 +178,9 @@ class P2P:
     def inflight(self) -> list[torch.Tensor]:
         """Buffers still held by transfers: sends not yet complete, receives posted and not used."""
         self._reap()
-        out = [send[1] for send in self._sends]
+        out = [t for sent in self._sends for t in sent.tensors]
         for p in self._posted.values():
-            out += [buf for _w, buf in (p.payload or [])] + ([p.header[1]] if p.header else [])
+            out += p.buffers + ([p.header[1]] if p.header else [])
         return out
 
     @property
@@ -167,22 +190,22 @@ class P2P:
     # ---- the three operations lowering issues --------------------------------------------------
     def post(self, r: Recv, *, with_next: bool = False) -> None:
         """Issue a receive now; ``with_next``: together with the next send, to the same peer."""
+        self._waits.check()
         self._flush_held()
         self._read_shapes(r.peer)
         posted = _Posted(r, sends_before=self._sent_count.get(r.peer, 0))
         self._posted[r.key] = posted
         if r.header or self.dynamic_shape:
             buf = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            posted.header = (self._issue([self._op(False, buf, r.peer)], r.label())[0], buf)
+            posted.header = (self._issue([_Op(False, buf, r.peer)], r.label()), buf)
             self._unread[r.peer] = posted
         else:
-            bufs = self._buffers(r)
-            ops = [self._op(False, buf, r.peer) for buf in bufs]
+            posted.buffers = self._buffers(r)
+            ops = [_Op(False, buf, r.peer) for buf in posted.buffers]
             if with_next:
-                posted.payload = []
                 self._held += [(op, posted) for op in ops]
             else:
-                posted.payload = list(zip(self._issue(ops, r.label()), bufs))
+                posted.batch = self._issue(ops, r.label())
         self._account()
 
     def send(self, direction: int, tensors: tuple[torch.Tensor, ...], *, stage: int, micro_batch: int, seq_chunk: int,
@@ -197,16 +220,15 @@ class P2P:
             payload.insert(0, _encode_header(payload, self.device))
         else:
             self._check_static(meta, direction, stage, micro_batch)
-        ops = [self._op(True, t, peer) for t in payload]
         held, self._held = self._held, []
-        if held and any(op.peer != ops[0].peer for op, _ in held):
+        if held and any(op.peer != peer for op, _ in held):
             raise RuntimeError(f"pipeline rank {self.my_rank}: a receive grouped with the next send is not for rank {peer}")
-        works = self._issue([op for op, _ in held] + ops, label)
-        for (op, posted), work in zip(held, works):
-            posted.payload.append((work, op.tensor))
-        count = self._sent_count.get(peer, 0)
-        self._sends.extend((w, t, label, peer, count + i) for i, (w, t) in enumerate(zip(works[len(held):], payload)))
-        self._sent_count[peer] = count + len(payload)
+        batch = self._issue([op for op, _ in held] + [_Op(True, t, peer) for t in payload], label)
+        for posted in {id(p): p for _op, p in held}.values():
+            posted.batch = batch
+        number = self._sent_count.get(peer, 0)
+        self._sends.append(_Sent(batch, payload, peer, number))
+        self._sent_count[peer] = number + 1
         self._account()
 
     def recv(self, r: Recv) -> tuple[torch.Tensor, ...]:
@@ -217,10 +239,11 @@ class P2P:
             raise RuntimeError(f"pipeline rank {self.my_rank}: {r.label()} was never posted (lowering must post every receive)")
         if self._unread.get(r.peer) is posted:
             self._read_shapes(r.peer)
-        out = tuple(self._waited(work, buf, r) for work, buf in posted.payload)
+        self._flush_held()  # a grouped receive consumed before its send: lowering never does this
+        self._waits.for_data(posted.batch, r.label())
         del self._posted[r.key]
         self._release(r.peer, posted.sends_before)
-        return out
+        return tuple(posted.buffers)
 
     # ---- receiving --------------------------------------------------------------------------
     def _buffers(self, r: Recv) -> list[torch.Tensor]:
@@ -234,60 +257,50 @@ class P2P:
         posted = self._unread.pop(peer, None)
         if posted is None:
             return
-        work, buf = posted.header
-        meta = _decode_header(self._waited(work, buf, posted.recv))
+        batch, buf = posted.header
+        self._waits.on_host(batch, posted.recv.label())
+        meta = _decode_header(buf)
         posted.header = None
         if not self.dynamic_shape:
             self._shapes[posted.recv.link] = meta
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta]
-        works = self._issue([self._op(False, b, peer) for b in bufs], posted.recv.label())
-        posted.payload = list(zip(works, bufs))
+        posted.buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta]
+        posted.batch = self._issue([_Op(False, b, peer) for b in posted.buffers], posted.recv.label())
 
     def _flush_held(self) -> None:
         # A grouped post is always followed by its send (lowering guarantees it); anything
         # else first issues the held receive on its own, which keeps the pair order.
         if self._held:
             held, self._held = self._held, []
-            works = self._issue([op for op, _ in held], "grouped receive")
-            for (op, posted), work in zip(held, works):
-                posted.payload.append((work, op.tensor))
-
-    def _waited(self, work: dist.Work, buf: torch.Tensor, r: Recv) -> torch.Tensor:
-        self._wait(work, r.label())
-        return buf
+            batch = self._issue([op for op, _ in held], "grouped receive")
+            for _op, posted in held:
+                posted.batch = batch
 
     # ---- issuing ----------------------------------------------------------------------------
-    def _op(self, send: bool, tensor: torch.Tensor, peer: int) -> _Op:
-        return _Op(send, tensor, self.global_rank_of[peer])
-
-    def _issue(self, ops: list[_Op], label: str) -> list[dist.Work]:
+    def _issue(self, ops: list[_Op], label: str) -> Batch:
+        """One batch on the pair's group (every op here has the same peer)."""
+        peer = ops[0].peer
+        group, dst = self.groups[peer], self.global_rank_of[peer]
         # Looked up on ``dist`` at call time: a test harness may stand in for the backend.
+        p2p_ops = [dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, dst, group) for o in ops]
         try:
-            if len(ops) == 1:
-                op = ops[0]
-                return [(dist.isend if op.send else dist.irecv)(op.tensor, op.peer, tag=0)]
-            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, o.peer) for o in ops]))
+            return Batch(dist.batch_isend_irecv(p2p_ops), label)
         except RuntimeError as err:  # gloo fails a post at once when the peer has gone
             raise P2PError(f"pipeline rank {self.my_rank}: {label} failed: {err}") from err
 
     def _reap(self) -> None:
         """Release sends the backend reports complete (oldest first)."""
-        while self._sends and self._sends[0][0].is_completed():
-            work, _tensor, label, *_ = self._sends.popleft()
-            self._wait(work, label)  # surfaces an error the transfer ended with
+        self._waits.check()
+        while self._sends and self._sends[0].batch.is_completed():
+            sent = self._sends.popleft()
+            self._waits.for_data(sent.batch, sent.batch.label)  # surfaces an error the transfer ended with
 
     def _release(self, peer: int, before: int) -> None:
         """Release the sends to ``peer`` numbered below ``before``: a later receive from it completed."""
-        if not any(p == peer and n < before for *_x, p, n in self._sends):
-            return
-        keep: deque = deque()
-        for send in self._sends:
-            work, _tensor, label, p, n = send
-            if p == peer and n < before:
-                self._wait(work, label)
-            else:
-                keep.append(send)
-        self._sends = keep
+        done = [s for s in self._sends if s.peer == peer and s.number < before]
+        for sent in done:
+            self._waits.for_data(sent.batch, sent.batch.label)
+        if done:
+            self._sends = deque(s for s in self._sends if not (s.peer == peer and s.number < before))
 
     def _account(self) -> None:
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
@@ -302,23 +315,6 @@ class P2P:
                 f"(micro-batch {mb}: {_describe(meta)}; earlier in the step: {_describe(announced)}). Give every "
                 "micro-batch of a step the same shapes, or build the PipelineModule with dynamic_shape=True"
             )
-
-    def _wait(self, work: dist.Work, label: str) -> None:
-        try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            if "closed" in str(err).lower():
-                raise P2PError(f"pipeline rank {self.my_rank}: {label} failed, the peer closed its connection ({err})") from err
-            raise P2PTimeoutError(self._timeout_message(label, err)) from err
-        if ok is False:
-            raise P2PTimeoutError(self._timeout_message(label, None))
-
-    def _timeout_message(self, label: str, err: Exception | None) -> str:
-        why = f" ({err})" if err else ""
-        return (
-            f"pipeline rank {self.my_rank}: {label} did not complete within {self.timeout_s:g} s{why}. "
-            "A peer probably failed or runs a different schedule; raise pipeline.p2p_timeout_s if passes are just slow."
-        )
 
 
 def _describe(meta: Meta) -> str:

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
@@ -24,6 +25,7 @@ from ..schedules.p2p_check import check_transfers
 from . import checkpoint as ckpt
 from . import instructions as ins
 from .comm import ACT, GRAD, P2P, Recv
+from .p2p_groups import neighbour_pairs, pair_groups
 from .memory import ActivationMeter
 from .precision import scale_loss
 from .seq_chunks import SeqChunks
@@ -72,15 +74,22 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self.peak_activation_bytes: int | None = None  # None until a step measured it
         self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
         self.peak_inflight_bytes = 0
-        self._p2p = P2P(
-            global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)],
-            device=self.device, timeout_s=p2p_timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
-        )
+        self._p2p = self._make_p2p(p2p_timeout_s)
         self._zero_reducer = self._stage_grad_reducer()
         self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
         self._seq = SeqChunks(self.stage_id)
         self._reset_step_state()
+
+    def _make_p2p(self, timeout_s: float) -> P2P:
+        """Transfers on one 2-rank group per neighbour pair (``p2p_groups``), made on every rank."""
+        pipelines = self.module.topology().get_axis_comm_lists("pipe")
+        groups = pair_groups(pipelines, neighbour_pairs(self._vs_placement), dist.get_rank())
+        return P2P(
+            global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)], groups=groups,
+            device=self.device, timeout_s=timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
+            stream_waits=dist.get_backend() == "nccl",
+        )
 
     def _check_schedule(self, schedule: Schedule) -> None:
         """Refuse a schedule this engine cannot run, before any transfer is posted."""

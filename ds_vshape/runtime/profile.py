@@ -37,6 +37,7 @@ from ..schedules.partition import Cut, LayerCost, cut_layers, pool_alike, stage_
 from ..tuning import INTEGER_DTYPES, SampleTensor
 from .carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
+from .device import comm_device
 
 __all__ = ["Profile", "profiled_cut", "measure_layers", "sample_micro_batch"]
 
@@ -64,7 +65,7 @@ def profiled_cut(model: DSPipelineModule, schedule: Schedule, vs: PipelineConfig
     if dist.get_rank() == 0:  # one rank decides: the cut must be identical everywhere, to the bit
         box[0] = cut_layers(costs, schedule.stage_to_rank, inflight=inflight, time_slack=vs.profile_time_slack)
         _log_cut(costs, box[0], schedule)
-    dist.broadcast_object_list(box, src=0, device=_device() if dist.get_backend() == "nccl" else None)
+    dist.broadcast_object_list(box, src=0, device=comm_device())
     return Profile(costs, inflight, box[0])
 
 
@@ -195,10 +196,10 @@ def _hand_over(model: DSPipelineModule, payload: tuple[Any, str | None], src: in
     if me == src:
         x, error = payload
         box[0] = (_to_cpu(x) if error is None else None, error)
-        dist.send_object_list(box, dst=global_rank_of(model, dst), device=_device() if dist.get_backend() == "nccl" else None)
+        dist.send_object_list(box, dst=global_rank_of(model, dst), device=comm_device())
         return payload
     if me == dst:
-        dist.recv_object_list(box, src=global_rank_of(model, src), device=_device() if dist.get_backend() == "nccl" else None)
+        dist.recv_object_list(box, src=global_rank_of(model, src), device=comm_device())
         x, error = box[0]  # type: ignore[misc]
         return _to_device(x), error
     return payload

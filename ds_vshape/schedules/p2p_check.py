@@ -5,33 +5,55 @@ Two checks over every rank's ops (``programs``):
 * **mirror**: for each pair of ranks, the transfers one issues to the other (sends and
   receive posts, in order) are the other's, with sends and receives swapped. NCCL matches
   the i-th send with the i-th receive regardless of tags, so anything else misroutes data.
-* **progress**: an event-driven run under NCCL's rules finishes. Sends and posts are
-  non-blocking for the host but queue per pair and complete in issue order, a send only
-  together with its receive (rendezvous); a group (``Op.with_next``) enters the queue as
-  one; the host blocks on a wait until its receive completed, and, after posting a receive
-  that brings the shapes, before its next operation with that peer (the payload can only
-  be posted once the shapes are read). The step tail (reduces, optimizer step) is a
-  barrier of all ranks.
+* **progress**: an event-driven run of what the runtime issues finishes. Each communicator
+  is one stream per rank (torch's ProcessGroupNCCL), on which entries run in issue order,
+  each to completion before the next; the runtime (``runtime/comm.py``) gives every pair of
+  ranks a 2-rank group of its own and batches every operation on it, so by default a rank
+  has one stream per peer (``communicator=pair_communicator``). An entry is one operation
+  or one group (``Op.with_next``); a send completes only together with its receive
+  (rendezvous). A rank's later work waits where the runtime waits: for a receive before the
+  pass that needs it, and, after posting a receive that brings the shapes, before its next
+  operation with that peer (the payload can only be posted once the shapes are read on the
+  host). A stream-ordered wait (NCCL) orders later operations exactly like a host wait: an
+  operation issued after it starts only after the compute stream passed it. The step tail
+  (reduces, optimizer step) is a barrier of all ranks.
+
+``communicator`` says which stream a rank uses for a peer; ``world_communicator`` (every
+transfer on one group, as DeepSpeed's world group would be) shows the orders that pair
+groups make safe.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .ops import POSTS, SENDS, WAITS, Op, OpKind
 from .p2p_order import TransferOrderError
 
-__all__ = ["check_transfers"]
+__all__ = ["Communicator", "check_transfers", "pair_communicator", "world_communicator"]
+
+Communicator = Callable[[int, int], Hashable]  # (rank, peer) -> the stream's key
+
+
+def pair_communicator(rank: int, peer: int) -> Hashable:
+    """One 2-rank group per pair: what the runtime issues on."""
+    return (min(rank, peer), max(rank, peer))
+
+
+def world_communicator(rank: int, peer: int) -> Hashable:
+    """Every transfer on one shared group (one stream per rank)."""
+    return "world"
+
 
 _TAIL = frozenset({OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP})
 
 
-def check_transfers(programs: Sequence[Sequence[Op]]) -> None:
+def check_transfers(programs: Sequence[Sequence[Op]], *, communicator: Communicator = pair_communicator) -> None:
     """Raise ``TransferOrderError`` naming the ranks and operations when a rule is broken."""
     _check_mirror(programs)
-    _Run(programs).run()
+    _Run(programs, communicator).run()
 
 
 def _pair_ops(ops: Sequence[Op], peer: int) -> list[tuple[str, tuple]]:
@@ -59,14 +81,16 @@ def _check_mirror(programs: Sequence[Sequence[Op]]) -> None:
 class _Entry:
     kind: str  # "send" or "recv"
     transfer: tuple
+    peer: int
     done: bool = False
 
 
 @dataclass
 class _Run:
     programs: Sequence[Sequence[Op]]
+    communicator: Communicator
     host: list[int] = field(default_factory=list)
-    queues: dict[tuple[int, int], deque[list[_Entry]]] = field(default_factory=dict)
+    queues: dict[tuple[int, Hashable], deque[list[_Entry]]] = field(default_factory=dict)  # (rank, stream)
     received: set[tuple[int, tuple]] = field(default_factory=set)
     shapes_pending: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (rank, peer) -> header receive
     held: dict[int, tuple[int, _Entry]] = field(default_factory=dict)  # rank -> (peer, post issued with the next send)
@@ -109,7 +133,7 @@ class _Run:
             if r in self.held:
                 raise TransferOrderError(f"pipeline rank {r}: a receive marked to go with the next send is followed by {op}")
             return
-        entry = _Entry("send" if op.kind in SENDS else "recv", op.transfer)
+        entry = _Entry("send" if op.kind in SENDS else "recv", op.transfer, op.peer)
         if op.kind in POSTS and op.header:
             self.shapes_pending[(r, op.peer)] = op.transfer
         if op.with_next:
@@ -121,19 +145,19 @@ class _Run:
             if peer != op.peer or op.kind not in SENDS:
                 raise TransferOrderError(f"pipeline rank {r}: a receive from rank {peer} marked to go with the next send is followed by {op}")
             group.insert(0, first)
-        self.queues.setdefault((r, op.peer), deque()).append(group)
+        self.queues.setdefault((r, self.communicator(r, op.peer)), deque()).append(group)
 
     def _match(self) -> bool:
         moved = False
-        for (r, q), queue in self.queues.items():
-            other = self.queues.get((q, r))
-            if not queue or not other:
-                continue
-            for e in queue[0]:
-                f = next((f for f in other[0] if not f.done and f.kind != e.kind and f.transfer == e.transfer), None)
-                if not e.done and f is not None:
+        for (r, comm), queue in self.queues.items():
+            for e in queue[0] if queue else ():
+                other = self.queues.get((e.peer, comm))
+                if e.done or not other:
+                    continue
+                f = next((f for f in other[0] if not f.done and f.peer == r and f.kind != e.kind and f.transfer == e.transfer), None)
+                if f is not None:
                     e.done = f.done = True
-                    receiver, sender = (r, q) if e.kind == "recv" else (q, r)
+                    receiver, sender = (r, e.peer) if e.kind == "recv" else (e.peer, r)
                     self.received.add((receiver, e.transfer))
                     if self.shapes_pending.get((receiver, sender)) == e.transfer:
                         del self.shapes_pending[(receiver, sender)]
@@ -145,10 +169,10 @@ class _Run:
         return moved
 
     def _deadlock(self, stuck: list[int], queued: dict) -> str:
-        lines = ["the transfers deadlock under NCCL's rules (per-pair issue order, rendezvous):"]
+        lines = ["the transfers deadlock under NCCL's rules (issue order per communicator stream, rendezvous):"]
         for r in stuck:
             lines.append(f"  rank {r} waits at op {self.host[r]}: {self.programs[r][self.host[r]]}")
-        for (r, q), queue in sorted(queued.items()):
-            head = ", ".join(f"{e.kind} {e.transfer}" for e in queue[0] if not e.done)
-            lines.append(f"  rank {r} -> rank {q}: {len(queue)} queued, first: {head}")
+        for (r, comm), queue in sorted(queued.items(), key=str):
+            head = ", ".join(f"{e.kind} {e.transfer} with rank {e.peer}" for e in queue[0] if not e.done)
+            lines.append(f"  rank {r} on stream {comm}: {len(queue)} queued, first: {head}")
         return "\n".join(lines)

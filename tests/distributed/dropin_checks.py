@@ -8,10 +8,14 @@ optimizer setup; or records the refusal. test_dropin.py asserts on what each ran
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import copy
 from typing import Any
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -128,7 +132,8 @@ def run_dropin_case(case: dict[str, Any]) -> dict[str, Any]:
     module, ref, loss_fn = _model(case)
     _load_pretrained(module, ref, case)
     try:
-        engine, optimizer, given = _initialize(module, case, m)
+        with _recorded_device_queries() as queries:
+            engine, optimizer, given = _initialize(module, case, m)
     except Exception as err:  # the refusals are what those cases check
         return {"refused": f"{type(err).__name__}: {err}"}
     data = _data(case, steps, m)
@@ -137,7 +142,35 @@ def run_dropin_case(case: dict[str, Any]) -> dict[str, Any]:
     result = {"losses": losses, "ref_losses": _reference(ref, loss_fn, data, case, m, steps),
               "param_diff": _param_diff(engine, ref, case), "local_layers": list(engine.module.local_layer_ids)}
     result.update(_group_report(engine, optimizer, given))
+    result["device_queries"] = sorted({str(q) for q in queries})
     return result
+
+
+@contextmanager
+def _recorded_device_queries() -> Iterator[list[Any]]:
+    """Which device index was bound each time initialize asked for the current device.
+
+    DeepSpeed's CPU accelerator ignores ``set_device``; here it remembers the index, and each
+    ``current_device_name`` call records it, as a GPU rank would see ``cuda:<index>``. A query
+    made before anything was bound records None: on a GPU node that rank would use device 0.
+    """
+    accelerator = get_accelerator()
+    bound: list[Any] = [None]
+    queries: list[Any] = []
+    real = accelerator.set_device, accelerator.current_device_name
+
+    def set_device(index: int) -> None:
+        bound[0] = index
+
+    def current_device_name() -> str:
+        queries.append(bound[0])
+        return real[1]()
+
+    accelerator.set_device, accelerator.current_device_name = set_device, current_device_name
+    try:
+        yield queries
+    finally:
+        accelerator.set_device, accelerator.current_device_name = real
 
 
 def _group_report(engine: Any, optimizer: Any, given: Any) -> dict[str, Any]:

@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv
+from ds_vshape.runtime.p2p_groups import pair_groups
 
 
 def _p2p(*, dynamic: bool = False) -> P2P:
-    return P2P(global_rank_of=[0, 1], device=torch.device("cpu"), timeout_s=20, my_rank=int(os.environ["RANK"]),
-               dynamic_shape=dynamic)
+    me = int(os.environ["RANK"])
+    return P2P(global_rank_of=[0, 1], groups=pair_groups([[0, 1]], [(0, 1)], me), device=torch.device("cpu"),
+               timeout_s=20, my_rank=me, dynamic_shape=dynamic)
 
 
 def _payload(mb: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,9 @@ CASES: list[dict[str, Any]] = [
     {"name": "partition-stock-inferred", "schedule": "v-half", "wide": True, "opt": "adamw", "forget_method": True, **BASE},
     {"name": "partition-config-wins", "schedule": "v-half", "wide": True, "opt": "adamw",
      "pipeline": {"partition_method": "parameters"}, **BASE},
+    # Weights carried and layers profiled inside initialize, before DeepSpeed binds the device.
+    {"name": "device-bound-profile-v-half", "schedule": "v-half", "layerspec": True, "opt": "adamw",
+     "pipeline": {"partition_method": "profile", "profile_sample": {"inputs": {"shape": [4, 8]}}}, **BASE},
 ]
 
 
@@ -98,3 +101,12 @@ def test_stock_partition_method_holds_unless_config_sets_one(results: dict) -> N
     assert [r["local_layers"] for r in stock] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     # parameters: the Wide layer 0 alone in stage 0.
     assert config[0]["local_layers"][0] == 0 and 1 not in config[0]["local_layers"], config[0]["local_layers"]
+
+
+def test_initialize_binds_the_local_device_before_it_touches_a_tensor(results: dict) -> None:
+    # torchrun gives rank r LOCAL_RANK r: every device query inside initialize (weight carry,
+    # profiling, then DeepSpeed's own) must see device r, never an unbound (device 0) state.
+    ranks = results["device-bound-profile-v-half"]
+    _assert_trained_like_reference("device-bound-profile-v-half", ranks)
+    for rank, res in enumerate(ranks):
+        assert res["device_queries"] == [str(rank)], f"rank {rank} asked for the device while bound to {res['device_queries']}"

@@ -11,7 +11,7 @@ import pytest
 from ds_vshape.schedules import generate, get_info, schedule_names
 from ds_vshape.schedules.lowering import lower, programs
 from ds_vshape.schedules.ops import POSTS, SENDS, WAITS, Op, OpKind
-from ds_vshape.schedules.p2p_check import check_transfers
+from ds_vshape.schedules.p2p_check import check_transfers, pair_communicator, world_communicator
 from ds_vshape.schedules.p2p_order import TransferOrderError, group_crossing, place_posts
 
 
@@ -132,3 +132,30 @@ def test_place_posts_refuses_an_order_the_rank_cannot_follow() -> None:
     order = {(0, 1): ((0, ("act", 1, 1, 0)), (1, ("grad", 0, 0, 0)))}
     with pytest.raises(TransferOrderError, match="pipeline rank 0"):
         place_posts(ops, 0, order)
+
+
+def _deadlocks(schedule_name: str, p: int, m: int, **extra: object) -> bool:
+    try:
+        check_transfers(programs(generate(schedule_name, p, m, **extra)), communicator=world_communicator)
+    except TransferOrderError:
+        return True
+    return False
+
+
+def test_one_shared_group_would_deadlock_looped_schedules_that_pair_groups_run() -> None:
+    # What the runtime did before pair groups: every transfer on the world group, one stream
+    # per rank. A receive posted from one neighbour then holds back the send to the other.
+    for name in ("interleaved", "breadth-first"):
+        p = 4
+        m = max(get_info(name).min_micro_batches(p, get_info(name).chunks(None), 1), 2 * p)
+        assert _deadlocks(name, p, m), name
+        check_transfers(programs(generate(name, p, m)), communicator=pair_communicator)
+
+
+def test_neighbour_pairs_follow_the_placement() -> None:
+    from ds_vshape.runtime.p2p_groups import neighbour_pairs
+
+    assert neighbour_pairs((0, 1, 2, 3)) == [(0, 1), (1, 2), (2, 3)]
+    assert neighbour_pairs((0, 1, 2, 3, 3, 2, 1, 0)) == [(0, 1), (1, 2), (2, 3)]  # V: the turn stays local
+    assert neighbour_pairs((0, 1, 2, 0, 1, 2)) == [(0, 1), (0, 2), (1, 2)]  # looped: the wrap-around pair
+    assert neighbour_pairs((0, 1, 0, 1)) == [(0, 1)]  # p=2: wrap-around is the same pair
