@@ -21,7 +21,7 @@ starts only after it, because its stream waits for the compute stream at issue.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -66,6 +66,8 @@ class Waits:
 
     timeout_s: float
     my_rank: int
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
 
     def for_data(self, batch: Batch, label: str) -> None:
         """Before a pass reads received data, or before a send buffer may be released."""
@@ -125,16 +127,16 @@ class StreamWaits(Waits):
         for work in batch.unwaited():
             self._blocking_wait(work, label, None)
         if not batch.is_completed():
-            self._watch.append((time.monotonic() + self.timeout_s, batch, label))
+            self._watch.append((self.clock() + self.timeout_s, batch, label))
 
     def on_host(self, batch: Batch, label: str) -> None:
-        self._poll(batch, label, time.monotonic() + self.timeout_s)
+        self._poll(batch, label, self.clock() + self.timeout_s)
         for work in batch.unwaited():
             self._blocking_wait(work, label, None)
 
     def check(self) -> None:
         self._watch = [w for w in self._watch if not w[1].is_completed()]
-        if self._watch and self._watch[0][0] < time.monotonic():
+        if self._watch and self._watch[0][0] < self.clock():
             raise P2PTimeoutError(self.timeout_message(self._watch[0][2], None))
 
     def settle(self, batches: Sequence[Batch]) -> None:
@@ -146,7 +148,7 @@ class StreamWaits(Waits):
     def _poll(self, batch: Batch, label: str, deadline: float) -> None:
         pause = _POLL_S[0]
         while not batch.is_completed():
-            if time.monotonic() > deadline:
+            if self.clock() > deadline:
                 raise P2PTimeoutError(self.timeout_message(label, None))
-            time.sleep(pause)
+            self.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
