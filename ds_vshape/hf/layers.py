@@ -130,12 +130,15 @@ class HFDecoderBlock(nn.Module):
         self._rope_paths = plan.rope_paths(index)
         self.rotary = nn.ModuleList([plan.build(path) for path in self._rope_paths])
         self._recipe = plan.anatomy.block_recipes[index]
+        self._stores_kv = plan.anatomy.stores_kv[index]
         self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, key_mask = inputs[0], inputs[1]
         ropes = dict(zip(self._rope_paths, self.rotary, strict=True))
-        runtime = _runtime(self._config, self._recipe, hidden=hidden, key_mask=key_mask, ropes=ropes)
+        runtime = _runtime(
+            self._config, self._recipe, stores_kv=self._stores_kv, hidden=hidden, key_mask=key_mask, ropes=ropes
+        )
         out = runtime.call(self.block, self._recipe)
         return _hidden_of(out), key_mask
 

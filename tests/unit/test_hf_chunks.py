@@ -22,11 +22,13 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from ds_vshape import hf
@@ -62,6 +64,12 @@ def _config(arch: str, **overrides: Any) -> PretrainedConfig:
     if arch == "qwen2":  # full attention in layers 0-1, sliding in 2-3, tied head
         extra = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=2)
         return Qwen2Config(**{**_decoder(**extra, tie_word_embeddings=True), **overrides})
+    if arch == "qwen3":  # per-head q/k norms, explicit head_dim
+        return Qwen3Config(**{**_decoder(num_hidden_layers=2, head_dim=8), **overrides})
+    if arch == "gpt_neox":  # partial rotary, parallel residual; blocks take the cache as layer_past
+        kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+        return GPTNeoXConfig(**{**kwargs, **overrides})
     raise AssertionError(arch)
 
 
@@ -210,7 +218,7 @@ def _check_against_model(
 
 @pytest.mark.parametrize("bounds", BOUNDS.values(), ids=BOUNDS.keys())
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox"])
 def test_chunked_pipeline_matches_model(arch: str, attn: str, bounds: list[int]) -> None:
     _check_against_model(_model(arch, attn), bounds)
 
