@@ -69,7 +69,15 @@ check), ``weights`` (checkpoint reading, materialising, per-layer loading),
 from __future__ import annotations
 
 from .attention import ChunkKVState, seq_chunk
-from .layers import HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, parameter_counts, pipeline_layers
+from .layers import (
+    HFDecoderBlock,
+    HFEmbedding,
+    HFFinalNorm,
+    HFLMHead,
+    parameter_counts,
+    pipeline_layers,
+    seq_chunk_refusal,
+)
 from .loss import IGNORE_INDEX, causal_lm_loss
 
 __all__ = [
@@ -83,4 +91,5 @@ __all__ = [
     "parameter_counts",
     "pipeline_layers",
     "seq_chunk",
+    "seq_chunk_refusal",
 ]

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from .analysis import _analyse, _Anatomy, _hidden_of, _is_ancestor
 from .attention import _runtime
+from .chunkable import _chunk_refusal_message
 from .loss import causal_lm_loss
 from .semantics import _check_head_semantics, _hollow
 from .tracing import _Kind, _trace_model
@@ -35,6 +36,7 @@ __all__ = [
     "HFLMHead",
     "parameter_counts",
     "pipeline_layers",
+    "seq_chunk_refusal",
 ]
 
 # ------------------------------------------------------------------------- plan
@@ -217,6 +219,36 @@ def parameter_counts(layers: Sequence[LayerSpec | nn.Module]) -> list[int]:
     no I/O).  Feed the result to your own partitioning.
     """
     return [_parameter_count(layer) for layer in layers]
+
+
+def seq_chunk_refusal(layers: Sequence[LayerSpec | nn.Module]) -> str | None:
+    """Why these ``pipeline_layers`` layers cannot run in sequence chunks exactly, or None when they can.
+
+    Decided from the model's config and its trace alone, so every rank can ask before any
+    forward: ``ds_vshape.initialize`` does for ``pipeline.seq_chunks > 1``, so that no rank
+    refuses in its first forward while the others wait for its activations.  Layers that are
+    not ``ds_vshape.hf`` layers are not judged here.
+    """
+    for layer in layers:
+        reason = _layer_refusal(layer)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_refusal(layer: LayerSpec | nn.Module) -> str | None:
+    if isinstance(layer, HFDecoderBlock):
+        return _chunk_refusal_message(layer._config, layer._recipe, stores_kv=layer._stores_kv)
+    if isinstance(layer, HFEmbedding):
+        return _chunk_refusal_message(layer._config, None)
+    if not isinstance(layer, LayerSpec) or not layer.module_args or not isinstance(layer.module_args[0], _Plan):
+        return None
+    plan = layer.module_args[0]
+    if layer.typename is HFDecoderBlock:
+        index = layer.module_args[1]
+        recipe, stores_kv = plan.anatomy.block_recipes[index], plan.anatomy.stores_kv[index]
+        return _chunk_refusal_message(plan.lm.config, recipe, stores_kv=stores_kv)
+    return _chunk_refusal_message(plan.lm.config, None)
 
 
 def _parameter_count(layer: LayerSpec | nn.Module) -> int:

@@ -4,12 +4,10 @@
 ``transformers.masking_utils`` mask builders, then runs the model's own
 forward on meta tensors (no memory, no FLOPs): the ``_Trace`` holds the order
 in which modules started and ended, every module call with its arguments and
-output, and every mask-builder call.  The forward is handed a ``_TraceCache``,
-an empty KV cache, through the first forward parameter typed as a ``Cache``
-(the LM's own, or its base model's when the LM's is not typed so): whatever
-argument of a block or mask builder then *is* that object carries the model's
-cache, under any name (``past_key_values``, ``cache``, ``layer_past``, ...),
-and the cache notes when K/V are stored through it.  A ``_Recipe`` says how to call a function
+output, and every mask-builder call.  The forward is handed an empty
+``_TraceCache`` (see ``cache_role``), so that the trace shows which arguments
+carry the model's KV cache, under whatever name, and which blocks store
+keys/values through it.  A ``_Recipe`` says how to call a function
 again at run time, each argument tagged with a ``_Kind`` telling where its
 value comes from; ``_Runtime`` resolves those for one forward of one pipeline
 layer.  Everything here is internal to ``ds_vshape.hf``.
@@ -21,9 +19,7 @@ import contextlib
 import enum
 import functools
 import inspect
-import re
 import sys
-import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
+
+from .cache_role import _TraceCache, _with_cache
 
 __all__ = [
     "_Arg",
@@ -43,8 +40,6 @@ __all__ = [
     "_RopeRef",
     "_Runtime",
     "_Trace",
-    "_TraceCache",
-    "_query_length",
     "_trace_model",
 ]
 
@@ -183,35 +178,6 @@ class _Trace:
         return self.events.index((kind, path))
 
 
-def _query_length(query: int | torch.Tensor) -> int:
-    # Cache.get_mask_sizes gets the query length (transformers 5) or the
-    # cache positions of the queries (4.5x).
-    return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
-
-
-class _TraceCache(Cache):
-    """An empty KV cache handed to the model while tracing; notes every K/V update made through it."""
-
-    def __init__(self, trace: _Trace) -> None:
-        super().__init__(layers=[])
-        self._trace = trace
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._trace.cache_updates.append(len(self._trace.events))
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
-        return _query_length(query), 0
-
-
 def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
     """Run ``lm`` once on meta tensors, recording module calls and mask builder calls.
 
@@ -285,40 +251,15 @@ def _on_start(box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, 
 def _hand_cache(
     box: list[_Trace], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hand the ``_TraceCache`` to the first forward (outermost first) with one parameter typed as a ``Cache``."""
+    """Hand a ``_TraceCache`` to the first forward (outermost first) that has a ``Cache``-typed parameter."""
     trace = box[0]
     if not trace.offer_cache or trace.cache is not None:
         return None
-    name = _cache_parameter(module.forward)
-    if name is None:
-        return None
-    try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
-    except TypeError:
-        return None
-    if bound.arguments.get(name) is not None:
-        return None
-    trace.cache = bound.arguments[name] = _TraceCache(trace)
-    return bound.args, bound.kwargs
-
-
-def _cache_parameter(fn: Callable[..., Any]) -> str | None:
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return None
-    typed = [name for name, parameter in parameters.items() if _is_cache_type(parameter.annotation)]
-    return typed[0] if len(typed) == 1 else None
-
-
-def _is_cache_type(annotation: Any) -> bool:
-    """Whether an annotation admits a ``transformers`` ``Cache`` (``Cache | None``, ``Optional[Union[..., Cache]]``)."""
-    if isinstance(annotation, str):  # postponed evaluation: the name as written
-        return re.search(r"\bCache\b", annotation) is not None
-    arguments = typing.get_args(annotation)
-    if arguments:  # a union or a generic: any member will do
-        return any(_is_cache_type(argument) for argument in arguments)
-    return isinstance(annotation, type) and issubclass(annotation, Cache)
+    cache = _TraceCache(on_update=lambda: trace.cache_updates.append(len(trace.events)))
+    handed = _with_cache(module.forward, args, kwargs, cache)
+    if handed is not None:
+        trace.cache = cache
+    return handed
 
 
 def _on_end(

@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from ds_vshape import hf
-from ds_vshape.hf import attention as hf_attention
+from ds_vshape.hf import chunkable as hf_chunkable
 
 VOCAB = 128
 SEQ = 16
@@ -322,11 +322,11 @@ def test_length_dependent_rotary_is_refused() -> None:
         rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra}
         config = _config("llama", rope_parameters=rope)
         config._attn_implementation = "sdpa"
-        reason = hf_attention._chunk_refusal(config, None)
+        reason = hf_chunkable._chunk_refusal(config, None)
         assert reason is not None and rope_type in reason and "sequence length" in reason
     plain = _config("llama")
     plain._attn_implementation = "eager"
-    assert hf_attention._chunk_refusal(plain, None) is None
+    assert hf_chunkable._chunk_refusal(plain, None) is None
 
 
 def _saved_bytes(run: Callable[[], Any], params: set[int]) -> int:
