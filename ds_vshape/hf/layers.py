@@ -24,10 +24,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from .analysis import _analyse, _Anatomy, _hidden_of, _is_ancestor
 from .attention import _runtime
 from .chunkable import _chunk_refusal_message
+from .logits import _LogitOps
 from .loss import causal_lm_loss
 from .semantics import _check_head_semantics, _hollow
 from .tracing import _Kind, _trace_model
-from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta
+from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta, _stored_name_converter
 
 __all__ = [
     "HFDecoderBlock",
@@ -59,9 +60,11 @@ class _Plan:
         skeleton: bool,
         dtype: torch.dtype | None,
         pad_token_id: int | None,
+        logit_ops: _LogitOps | None,
     ) -> None:
         self.lm, self.anatomy, self.checkpoint = lm, anatomy, checkpoint
         self.skeleton, self.dtype, self.pad_token_id = skeleton, dtype, pad_token_id
+        self.logit_ops = logit_ops  # the LM's own logit post-processing, replayed after the head
         self.dry = False  # True: build() returns the source modules untouched (for counting)
 
     def __repr__(self) -> str:
@@ -106,6 +109,7 @@ class HFEmbedding(nn.Module):
         self.embedding_path = anatomy.embedding
         self._recipe = anatomy.base_recipe
         self._pad_token_id = plan.pad_token_id
+        self._logit_ops = plan.logit_ops
         self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, input_ids: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +121,8 @@ class HFEmbedding(nn.Module):
         return hidden, key_mask
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head sharing the token-embedding weight (tied input/output embeddings)."""
-        return F.linear(hidden, self.body.get_submodule(self.embedding_path).weight)
+        """LM head sharing the token-embedding weight (tied input/output embeddings), then the LM's post-processing."""
+        return _post_processed(F.linear(hidden, self.body.get_submodule(self.embedding_path).weight), self._logit_ops)
 
 
 class HFDecoderBlock(nn.Module):
@@ -158,16 +162,22 @@ class HFFinalNorm(nn.Module):
 
 
 class HFLMHead(nn.Module):
-    """Final norm (if any) and the untied LM head; returns logits."""
+    """Final norm (if any), the untied LM head and the LM's own logit post-processing (if any); returns logits."""
 
     def __init__(self, plan: _Plan) -> None:
         super().__init__()
         norm = plan.anatomy.norm
         self.norm = plan.build(norm) if norm is not None else nn.Identity()
         self.head = plan.build(plan.anatomy.head)
+        self._logit_ops = plan.logit_ops
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.head(self.norm(inputs[0]))
+        return _post_processed(self.head(self.norm(inputs[0])), self._logit_ops)
+
+
+def _post_processed(logits: torch.Tensor, ops: _LogitOps | None) -> torch.Tensor:
+    # E.g. Granite's logits_scaling or Gemma2's soft-capping, as the LM's own forward applies them.
+    return logits if ops is None else ops(logits)
 
 
 def _tied_lm_head(embedding: HFEmbedding, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -273,11 +283,13 @@ def _make_plan(
     pad = getattr(lm.config, "pad_token_id", None) if mask_padding else None
     trace = _trace_model(lm, with_padding=pad is not None)
     anatomy = _analyse(lm, trace)
-    _check_head_semantics(lm, anatomy)
+    logit_ops = _check_head_semantics(lm, anatomy)
     if checkpoint is not None:
-        checkpoint = _Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix)
+        checkpoint = _Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix, rename=_stored_name_converter(lm))
     skeleton = not isinstance(model, PreTrainedModel)
-    return _Plan(lm, anatomy, checkpoint=checkpoint, skeleton=skeleton, dtype=dtype, pad_token_id=pad)
+    return _Plan(
+        lm, anatomy, checkpoint=checkpoint, skeleton=skeleton, dtype=dtype, pad_token_id=pad, logit_ops=logit_ops
+    )
 
 
 def _open(

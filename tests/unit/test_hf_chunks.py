@@ -21,8 +21,10 @@ from torch.overrides import TorchFunctionMode
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GPT2Config,
     GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -70,6 +72,12 @@ def _config(arch: str, **overrides: Any) -> PretrainedConfig:
         kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
         return GPTNeoXConfig(**{**kwargs, **overrides})
+    if arch == "granite":  # the LM divides its logits by logits_scaling
+        extra = dict(num_hidden_layers=2, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5)
+        return GraniteConfig(**{**_decoder(**extra), **overrides})
+    if arch == "gemma2":  # soft-capped attention and logits, alternating sliding/full layers, tied head
+        extra = dict(num_hidden_layers=2, head_dim=8, sliding_window=4, final_logit_softcapping=2.0)
+        return Gemma2Config(**{**_decoder(**extra), **overrides})
     raise AssertionError(arch)
 
 
@@ -221,6 +229,12 @@ def _check_against_model(
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox"])
 def test_chunked_pipeline_matches_model(arch: str, attn: str, bounds: list[int]) -> None:
     _check_against_model(_model(arch, attn), bounds)
+
+
+@pytest.mark.parametrize(("arch", "attn"), [("granite", "eager"), ("granite", "sdpa"), ("gemma2", "eager")])
+def test_chunked_post_processed_logits_match_model(arch: str, attn: str) -> None:
+    # Each chunk's logits get the LM's own post-processing (scaling, soft-capping) on the last stage.
+    _check_against_model(_model(arch, attn), BOUNDS["k3"])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
