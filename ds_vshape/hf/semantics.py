@@ -104,7 +104,9 @@ def _check_replay(
         whole = ops(logits)
         # Sequence chunks and micro-batches post-process their own slice only.
         if not (torch.equal(whole[:, 1:], ops(logits[:, 1:])) and torch.equal(whole[1:], ops(logits[1:]))):
-            raise ValueError(f"{name}'s logit post-processing mixes positions or sequences; cannot run it per stage slice")
+            raise ValueError(
+                f"{name}'s logit post-processing mixes positions or sequences; cannot run it per micro-batch and chunk"
+            )
 
 
 def _run_probe(

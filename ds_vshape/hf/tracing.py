@@ -190,7 +190,7 @@ def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
         handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path)))
         handles.append(module.register_forward_pre_hook(functools.partial(_hand_cache, box), with_kwargs=True))
         handles.append(module.register_forward_hook(functools.partial(_on_end, box, path), with_kwargs=True))
-    first_error: Exception | None = None
+    plain_error: Exception | None = None  # what the model's plain fp32 forward ran into
     try:
         # Some kernels (e.g. grouped MoE matmuls) accept only bf16, even on
         # meta; the dtype does not change the structure we record.
@@ -202,11 +202,12 @@ def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
             except _TraceRefusal:
                 raise
             except Exception as error:  # any failure of all attempts means we cannot understand the model
-                first_error = first_error or error
+                if not with_cache and dtype is None:
+                    plain_error = error
     finally:
         for handle in handles:
             handle.remove()
-    raise ValueError(f"cannot trace {type(lm).__name__} on the meta device: {first_error!r}") from first_error
+    raise ValueError(f"cannot trace {type(lm).__name__} on the meta device: {plain_error!r}") from plain_error
 
 
 def _run_on_meta(

@@ -13,7 +13,8 @@ the engine what a unit needs that a whole micro-batch does not:
   roots, then releases what it kept.
 
 Only ``ds_vshape.hf`` layers know how to run a chunk; ``check_module`` refuses the rest at
-initialize, and so those ``ds_vshape.hf`` models that cannot run in chunks exactly. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
+initialize, on every rank, and so the ``ds_vshape.hf`` models that cannot run in chunks
+exactly. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
 """
 
 from __future__ import annotations
