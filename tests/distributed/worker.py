@@ -222,15 +222,31 @@ def _ref_layers(ref: nn.Module, case: dict[str, Any]) -> list[nn.Module]:
 
 
 def _hf_config(kind: str, blocks: int = 4) -> Any:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (Gemma2Config, GPT2Config, GPTNeoXConfig, GraniteConfig, Llama4TextConfig,
+                              LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
     common = {"vocab_size": 96, "num_attention_heads": 4}
     if kind == "gpt2":
         return GPT2Config(n_embd=32, n_layer=blocks, n_head=4, vocab_size=96, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    if kind == "gpt_neox":  # partial rotary, parallel residual; its blocks take the cache as layer_past
+        return GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, max_position_embeddings=64,
+                             attention_dropout=0.0, hidden_dropout=0.0, **common)
+    if kind == "llama4_text":  # chunked-attention layers: a plain pipeline, refused in sequence chunks
+        return Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=blocks,
+                                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=2,
+                                attention_chunk_size=4, **common)
+    extra: dict[str, Any] = {
+        "qwen3": {"head_dim": 8},
+        # The LM post-processes its logits: divides by logits_scaling / soft-caps them.
+        "granite": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
+        # Gemma2's default pad_token_id 0 would mask the random ids the reference sees unmasked.
+        "gemma2": {"head_dim": 8, "sliding_window": 4, "final_logit_softcapping": 2.0, "pad_token_id": None},
+    }.get(kind, {})
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "granite": GraniteConfig, "gemma2": Gemma2Config}[kind]
     return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, num_key_value_heads=2,
-               max_position_embeddings=64, tie_word_embeddings=kind == "qwen2", **common)
+               max_position_embeddings=64, tie_word_embeddings=kind in ("qwen2", "gemma2"), **common, **extra)
 
 
 def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
