@@ -11,6 +11,7 @@ others' way; the wedging checks run last, and this case must be the launch's las
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -82,7 +83,7 @@ def _tags_ignored(me: int) -> dict[str, Any]:
 
 
 def _batch_work(me: int) -> dict[str, Any]:
-    """(e) one Work for a batch of three ops; (c) a crossed exchange of big tensors in it completes."""
+    """(e) one Work for a batch of four ops; (c) a crossed exchange of big tensors in it completes."""
     peer = 1 - me
     out, small, into, back = torch.full((BIG,), float(me)), torch.full((2,), me + 0.5), torch.empty(BIG), torch.empty(2)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer),
@@ -175,24 +176,36 @@ def _sync() -> None:
     dist.barrier(group=_SYNC, async_op=True).wait(timeout=3 * WAIT_S)
 
 
+def _run(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each check, then all ranks meet: a check that raises on one rank (a broken emulation)
+    is recorded and costs its peers a timeout, not the checks after it."""
+    out: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            out[name] = check()
+        except Exception as err:  # recorded; the pytest side names it
+            out[name] = {"raised": f"{type(err).__name__}: {err}"}
+        _sync()
+    return out
+
+
 def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """The checks that leave no communicator wedged."""
     nccl_emulation.install(mode=mode, timeout_s=WAIT_S)
-    out: dict[str, Any] = {}
+    checks: dict[str, Callable[[], Any]] = {}
     if me < 2:
-        out["tags"] = _tags_ignored(me)
-        out["batch"] = _batch_work(me)
-    _sync()
+        checks.update(tags=lambda: _tags_ignored(me), batch=lambda: _batch_work(me))
     for batched in (False, True):
         for same in (True, False):
-            out[f"hold-{'batched' if batched else 'unbatched'}-{'same' if same else 'two'}-groups"] = _hold(
-                me, groups, batched=batched, same_group=same)
+            name = f"hold-{'batched' if batched else 'unbatched'}-{'same' if same else 'two'}-groups"
+            checks[name] = functools.partial(_hold, me, groups, batched=batched, same_group=same)
     if mode == "eager":
-        out["header"] = _header_meets(me, groups, wait_s=WAIT_S)
+        checks["header"] = functools.partial(_header_meets, me, groups, wait_s=WAIT_S)
     else:
-        out["collective-unbatched"] = _collective_behind(me, groups, batched=False, expect_held=False)
-    _sync()
-    return out
+        checks["collective-unbatched"] = functools.partial(_collective_behind, me, groups, batched=False, expect_held=False)
+    if me >= 2:  # every rank runs as many checks (each ends in a _sync)
+        checks = {"tags": lambda: None, "batch": lambda: None, **checks}
+    return _run(checks)
 
 
 def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
@@ -200,14 +213,12 @@ def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict
     _sync()
     nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S)
     pairs = groups([0, 1]), groups([2, 3])
-    out: dict[str, Any] = {"crossed": _crossed(me, me ^ 1, pairs[me // 2], send_first=me < 2, size=BIG if me < 2 else 4)}
-    _sync()
+    checks: dict[str, Callable[[], Any]] = {
+        "crossed": functools.partial(_crossed, me, me ^ 1, pairs[me // 2], send_first=me < 2, size=BIG if me < 2 else 4)}
     if mode == "lazy":
-        out["header"] = _header_meets(me, groups, wait_s=DEADLOCK_S)
-        _sync()
-    out["collective"] = _collective_behind(me, groups, batched=mode == "lazy", expect_held=True)
-    _sync()
-    return out
+        checks["header"] = functools.partial(_header_meets, me, groups, wait_s=DEADLOCK_S)
+    checks["collective"] = functools.partial(_collective_behind, me, groups, batched=mode == "lazy", expect_held=True)
+    return _run(checks)
 
 
 def run_nccl_selfcheck(case: dict[str, Any]) -> dict[str, Any]:

@@ -112,6 +112,7 @@ def _check(emulation: dict, rank: int, *keys: str) -> Any:
     assert res["installed"], "the emulation was not installed on this rank"
     for key in keys:
         res = res[key]
+        assert not (isinstance(res, dict) and "raised" in res), f"rank {rank}, {'/'.join(keys)}: {res['raised']}"
     return res
 
 
