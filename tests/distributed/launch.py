@@ -21,24 +21,27 @@ def free_port() -> int:
 
 
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
-           nccl: bool = False, backend: str = "gloo") -> list[dict[str, Any]]:
+           nccl: bool | str = False, backend: str = "gloo") -> list[dict[str, Any]]:
     """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
 
-    ``nccl=True`` runs the ranks under tests/distributed/nccl_emulation.py: gloo with NCCL's
-    point-to-point rules (tags ignored, one ordered queue per pair, rendezvous sends).
-    ``backend="nccl"`` is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's
-    accelerator left to detect CUDA.
+    ``nccl="eager"`` or ``"lazy"`` runs the ranks under tests/distributed/nccl_emulation: gloo
+    with NCCL's rules (one ordered queue per communicator, tags ignored, rendezvous sends) in
+    that init mode; ``nccl=True`` means "eager" (DeepSpeed's mode on GPUs). ``backend="nccl"``
+    is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's accelerator left to
+    detect CUDA.
     """
-    if backend not in ("gloo", "nccl") or (nccl and backend != "gloo"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl' (emulation only on gloo), got {backend!r}, nccl={nccl}")
+    mode = "eager" if nccl is True else nccl or None
+    if backend not in ("gloo", "nccl") or mode not in (None, "eager", "lazy") or (mode and backend != "gloo"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', nccl False, True, 'eager' or 'lazy' (emulation only on "
+                         f"gloo); got backend={backend!r}, nccl={nccl!r}")
     workdir.mkdir(parents=True, exist_ok=True)
     cases_file = workdir / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TMPDIR=str(workdir))
     env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
-    if nccl:
-        env["DS_VSHAPE_NCCL_EMULATION"] = "1"
+    if mode:
+        env["DS_VSHAPE_NCCL_EMULATION"] = mode
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]

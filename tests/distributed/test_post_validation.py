@@ -1,6 +1,6 @@
 """Optimizer post-validation on real DeepSpeed engines and gloo ranks.
 
-Two launches, both under the NCCL emulation (tags ignored, per-pair issue order): 2 ranks, and
+Two launches, both under the NCCL emulation (eager init: one ordered queue per process group): 2 ranks, and
 4 ranks (a 4-stage pipeline, and 2 stages x 2 data-parallel replicas). Consecutive steps
 overlap, so a transfer of step k+1 may meet a peer still in step k. Plain gloo runs the same
 engine paths in the other distributed tests.

@@ -74,7 +74,7 @@ def seq_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return _by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
 
 
-# The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation.py): the
+# The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation, eager): the
 # chunked schedules' transfers, in the pair order lowering fixes, on a split and a V schedule.
 NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2-v-half-k2", "llama-zb-h1-k2")]
 

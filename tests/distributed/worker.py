@@ -358,6 +358,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed import post_validation_checks as pv
 
         return pv.run_overlap_case(case) if case.get("overlap") else pv.run_post_validation_case(case)
+    if case.get("nccl_control"):
+        from tests.distributed.nccl_checks import run_stock_control
+
+        return run_stock_control(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 
@@ -467,11 +471,12 @@ def _by_layer(engine: Any) -> dict[str, torch.Tensor]:
 def main() -> None:
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
-    if os.environ.get("DS_VSHAPE_NCCL_EMULATION") == "1":
-        # Before any process group exists, so that every p2p call from here on is emulated.
+    if os.environ.get("DS_VSHAPE_NCCL_EMULATION"):
+        # Before any process group exists (and before deepspeed.comm caches its all-gather and
+        # reduce-scatter functions), so that every call from here on is emulated.
         from tests.distributed import nccl_emulation
 
-        nccl_emulation.install()
+        nccl_emulation.install(mode=nccl_emulation.env_mode(os.environ["DS_VSHAPE_NCCL_EMULATION"]))
     if BACKEND == "nccl":
         torch.cuda.set_device(_device())
     else:
