@@ -38,7 +38,6 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .split_ops import OpStore, accumulate
 
@@ -105,9 +104,21 @@ def derived_kind(store: GraphStore, t: torch.Tensor) -> str | None:
 
 def inspect_outputs(store: GraphStore, out: Any) -> None:
     """Sort the custom nodes behind a module's outputs (nothing else may consume them in the unit)."""
-    for v in tree_flatten(out)[0]:
-        if isinstance(v, torch.Tensor) and v.requires_grad and _is_custom(v.grad_fn):
-            _classify(store, v.grad_fn)
+    with torch._C.DisableTorchFunction():  # tensor attributes would enter the routing mode, once per output
+        for t in _tensors_in(out):
+            if t.requires_grad and _is_custom(t.grad_fn):
+                _classify(store, t.grad_fn)
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or inside tuples, lists and dicts (model outputs)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _tensors_in(v)]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors_in(v)]
+    return []
 
 
 def _is_custom(fn: Node | None) -> bool:
