@@ -36,6 +36,7 @@ from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
 
 __all__ = ["DeferMode", "RoutedCall", "RoutingStore", "routing"]
 
+_BACKWARDS = {torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imatmul__",
                     "__ipow__", "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
@@ -63,6 +64,12 @@ class DeferMode(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         store = self.store
+        if func in _BACKWARDS:
+            # A unit's backward (B, or fused) starts here: custom Functions behind its roots are sorted
+            # before autograd reaches them (a stage output may come straight out of one).
+            if store.current is not None and not store.is_suspended:
+                inspect_outputs(store, (args, kwargs.get("outputs"), kwargs.get("tensors")))
+            return func(*args, **kwargs)
         if store.current is None or store.is_suspended or not torch.is_grad_enabled() or not _touches_params(store, args, kwargs):
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))

@@ -107,15 +107,17 @@ class TwoOutputs(torch.autograd.Function):
 class FnLinear(nn.Module):
     """Owns its weight and bias and runs them through ``fn`` (as Megatron's parallel linears do)."""
 
-    def __init__(self, fn: type[torch.autograd.Function] = Linear, *, quantize: bool = False) -> None:
+    def __init__(self, fn: type[torch.autograd.Function] = Linear, *, quantize: str | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(DIM, DIM) * 0.4)
         self.bias = nn.Parameter(torch.randn(DIM) * 0.1)
         self.fn, self.quantize = fn, quantize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantize:  # the parameter alone through a Function, then the routed GEMM
+        if self.quantize == "gemm":  # the parameter alone through a Function, then the routed GEMM
             return F.linear(x, Quantize.apply(self.weight), self.bias)
+        if self.quantize == "fn":  # ... then into another Function, with the activation
+            return self.fn.apply(x, Quantize.apply(self.weight), self.bias)
         return self.fn.apply(x, self.weight, self.bias)
 
 
@@ -131,17 +133,18 @@ class TwoHead(nn.Module):
 
 
 class Stage(nn.Module):
-    """Linear Function, tanh, quantized linear, a two-output Function, LayerNorm; ``ckpt`` wraps the middle."""
+    """Linear Function, tanh, quantized weight into the routed GEMM and into the Linear Function, a
+    two-output Function, LayerNorm; ``ckpt`` wraps the middle."""
 
     def __init__(self, fn: type[torch.autograd.Function] = Linear, ckpt: Callable[..., Any] | None = None,
                  *, both: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.first, self.quant = FnLinear(fn), FnLinear(quantize=True)
+        self.first, self.quant, self.qfn = FnLinear(fn), FnLinear(quantize="gemm"), FnLinear(quantize="fn")
         self.two, self.norm, self.ckpt = TwoHead(both=both), nn.LayerNorm(DIM), ckpt
 
     def middle(self, h: torch.Tensor) -> torch.Tensor:
-        return self.two(self.quant(torch.tanh(self.first(h))))
+        return self.two(self.qfn(self.quant(torch.tanh(self.first(h)))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ckpt(self.middle, x) if self.ckpt is not None else self.middle(x)
@@ -180,7 +183,7 @@ def _in_b(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.grad is not None}
 
 
-CHEAP = {"first.bias", "quant.bias", "norm.weight", "norm.bias"}
+CHEAP = {"first.bias", "quant.bias", "qfn.bias", "norm.weight", "norm.bias"}
 
 
 @pytest.mark.parametrize("both", [False, True], ids=["one-output-used", "both-used"])
@@ -199,20 +202,20 @@ def test_custom_functions_split_into_b_and_w_and_match_fused(ckpt: Callable[...,
         _run_split(model, store, x, grad)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=TOL)
     assert _in_b(model) == CHEAP  # every 2-D weight waits for W
-    # B asked the linear for the input and bias gradients only, the two-output node for the input's,
-    # and never ran the quantizer (its consumer, the routed GEMM, parked its gradient instead).
-    assert _asked("Linear") == [(True, False, True)] and _asked("TwoOutputs") == [(True, False)]
+    # B asked the linears for the input and bias gradients only, the two-output node for the input's,
+    # and never ran the quantizers (their consumers parked the gradients instead).
+    assert _asked("Linear") == [(True, False, True)] * 2 and _asked("TwoOutputs") == [(True, False)]
     assert _asked("Quantize") == []
     ASKED.clear()
     store.run("u")
-    assert _asked("Linear") == [(False, True, False)] and _asked("TwoOutputs") == [(False, True)]
-    assert _asked("Quantize") == [(True,)]
+    assert _asked("Linear") == [(False, True, False)] * 2 and _asked("TwoOutputs") == [(False, True)]
+    assert _asked("Quantize") == [(True,)] * 2
     assert store.pending() == [] and store.parked_bytes == 0
     _assert_grads_match(model, reference)
 
 
 def test_a_function_computing_everything_anyway_runs_whole_in_b_and_warns_once_naming_it() -> None:
-    model, store = Stage(EagerLinear), WeightGradStore()
+    model, store = Stage(EagerLinear), WeightGradStore()  # its qfn layer too: EagerLinear behind a quantizer
     reference = copy.deepcopy(model)
     enable_split_backward([model], store, root=model)
     x = torch.randn(ROWS, DIM)
@@ -296,6 +299,22 @@ def test_w_keeps_the_saved_input_and_output_gradient_not_the_node() -> None:
     assert store.parked_bytes == 0 and layer.weight.grad is not None
 
 
+def test_a_function_applied_outside_any_module_is_found_at_the_start_of_b() -> None:
+    """Its output is the unit's output, consumed by nothing routed: B's own call sorts it."""
+    layer, store = FnLinear(Linear), WeightGradStore()
+    reference = copy.deepcopy(layer)
+    enable_split_backward([layer], store)
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    with store.forward_of("u"):
+        out = Linear.apply(torch.tanh(x), layer.weight, layer.bias)
+    with store.deferring("u"):
+        torch.autograd.backward([out], [torch.ones_like(out)])
+    assert layer.weight.grad is None and _asked("Linear") == [(True, False, True)]
+    store.run("u")
+    Linear.apply(torch.tanh(x), reference.weight, reference.bias).backward(torch.ones_like(out))
+    _assert_grads_match(layer, reference)
+
+
 def test_fused_backward_and_plain_runs_leave_the_functions_as_they_are() -> None:
     model, store = Stage(Linear), WeightGradStore()
     reference = copy.deepcopy(model)
@@ -305,7 +324,7 @@ def test_fused_backward_and_plain_runs_leave_the_functions_as_they_are() -> None
         out = model(x)
     with store.backward_of("u", defer=False):
         out.backward(grad)
-    assert store.pending() == [] and _asked("Linear") == [(False, True, True)]
+    assert store.pending() == [] and _asked("Linear") == [(True, True, True), (False, True, True)]  # qfn, first
     model(x).backward(grad)  # outside any unit: plain autograd
     for _ in range(2):
         reference(x).backward(grad)
