@@ -136,10 +136,10 @@ class WeightGradStore:
 
     def trainable_param(self, node: Node) -> torch.Tensor | None:
         """The deferred-or-cheap parameter behind an accumulate node, else None."""
-        param = getattr(node, "variable", None)
-        if isinstance(param, torch.Tensor) and id(param) in self._param_ids and param.requires_grad:
-            return param
-        return None
+        if not isinstance(node, torch._C._functions.AccumulateGrad):
+            return None
+        param = node.variable
+        return param if id(param) in self._param_ids and param.requires_grad else None
 
     # ---- parked work -------------------------------------------------------------------------------
     def park(self, key: Hashable, work: ParkedWork) -> None:

@@ -211,11 +211,12 @@ def _apply(self: BackwardCFunction, *grads: torch.Tensor | None) -> Any:
 def _derived_backward(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | None, ...]) -> Any:
     store = info.store
     assert store is not None
-    if store.is_deferring(info.key) and all(g is None for g in grads):
-        if info.stash is None:  # the consumers parked their work: keep what it will need
+    if store.is_deferring(info.key):
+        if info.stash is None:  # consumers parked work that comes back through here in W: keep what it needs
             info.stash = _Replay(_attrs(self), self.saved_tensors, self.needs_input_grad)
             store.park(info.key, _Release(info, tuple(_tensors(info.stash.saved_tensors))))
-        return (None,) * len(self.needs_input_grad)
+        if all(g is None for g in grads):
+            return (None,) * len(self.needs_input_grad)
     full = tuple(g if g is not None else _zeros(self, i) for i, g in enumerate(grads))  # it may expect zeros
     if info.stash is not None:
         return self._get_user_fn()(info.stash.asking(self.needs_input_grad), *full)
@@ -230,6 +231,7 @@ def _split_b(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | N
     ctx = _Replay(_attrs(self), self.saved_tensors, tuple(n and i not in info.deferred for i, n in enumerate(needs)))
     params = [store.trainable_param(node) for node, _ in info.edges]
     before = _grad_versions(params)
+    kept = _versions(grads)
     with _Collectives() as seen:
         raw = user(ctx, *grads)
     result = raw if isinstance(raw, tuple) else (raw,)
@@ -238,7 +240,8 @@ def _split_b(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | N
         store.kept_whole(_name(self), [p for p in params if p is not None])
         return raw
     work = _SplitWork(user, ctx.asking(tuple(i in info.deferred for i in range(len(needs)))), tuple(grads), info,
-                      _name(self) if seen.count else None)
+                      _name(self) if seen.count else None, kept)
+    work.check(when="B")
     store.park(info.key, work)
     return raw
 
@@ -252,14 +255,24 @@ class _SplitWork:
     grads: tuple[torch.Tensor | None, ...]
     info: _Info
     refuse_collectives: str | None  # the Function's name when its B ran a collective
+    grad_versions: list[int]  # of ``grads`` before B's call
     held: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self) -> None:
         self.held = tuple(_tensors(self.ctx.saved_tensors)) + tuple(_tensors(self.grads))
+        self.saved_versions = _versions(self.ctx.saved_tensors)
+
+    def check(self, *, when: str) -> None:
+        """W reuses B's output gradients and the saved tensors: neither may have changed in place."""
+        if _versions(self.grads) != self.grad_versions or _versions(self.ctx.saved_tensors) != self.saved_versions:
+            raise RuntimeError(f"ds_vshape split backward: {_name_of(self.user)}'s output gradients or saved tensors were "
+                               f"modified in place ({when}), but W needs them as B got them: make its backward leave "
+                               "its output gradient unmodified, or pick a schedule without split backward for this model")
 
     def run(self) -> None:
         store = self.info.store
         assert store is not None
+        self.check(when="between B and W")
         with torch.no_grad(), _Collectives(refuse=self.refuse_collectives):
             raw = self.user(self.ctx, *self.grads)
         result = raw if isinstance(raw, tuple) else (raw,)
@@ -328,6 +341,14 @@ def _grad_versions(params: list[torch.Tensor | None]) -> list[Any]:
     return out
 
 
+def _versions(values: Any) -> list[int]:
+    return [t._version for t in _tensors(values)]
+
+
 def _name(fn: BackwardCFunction) -> str:
     cls = fn._forward_cls
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _name_of(user: Callable[..., Any]) -> str:
+    return getattr(user, "__qualname__", repr(user)).removesuffix(".backward")

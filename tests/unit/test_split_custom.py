@@ -315,6 +315,24 @@ def test_a_function_applied_outside_any_module_is_found_at_the_start_of_b() -> N
     _assert_grads_match(layer, reference)
 
 
+class ScalesGradInPlace(Linear):
+    """Honours ``needs_input_grad`` but scales its output gradient in place: W could not reuse it."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad.mul_(1.0)
+        return _linear_grads(ctx, grad, ctx.needs_input_grad)
+
+
+def test_an_output_gradient_modified_in_place_is_refused_not_reused() -> None:
+    layer, store = FnLinear(ScalesGradInPlace), WeightGradStore()
+    enable_split_backward([layer], store)
+    with store.forward_of("u"):
+        out = layer(torch.randn(ROWS, DIM, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"ScalesGradInPlace.*modified in place"), store.deferring("u"):
+        out.backward(torch.ones(ROWS, DIM))
+
+
 def test_fused_backward_and_plain_runs_leave_the_functions_as_they_are() -> None:
     model, store = Stage(Linear), WeightGradStore()
     reference = copy.deepcopy(model)
