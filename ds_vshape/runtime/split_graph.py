@@ -229,7 +229,7 @@ def _split_b(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | N
     user = self._get_user_fn()
     needs = self.needs_input_grad
     ctx = _Replay(_attrs(self), self.saved_tensors, tuple(n and i not in info.deferred for i, n in enumerate(needs)))
-    params = [store.trainable_param(node) for node, _ in info.edges]
+    params = [p for node, _ in info.edges for p in _params_behind(store, node, 0)]
     before = _grad_versions(params)
     kept = _versions(grads)
     with _Collectives() as seen:
@@ -237,7 +237,7 @@ def _split_b(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | N
     result = raw if isinstance(raw, tuple) else (raw,)
     if any(i < len(result) and result[i] is not None for i in info.deferred) or _grad_versions(params) != before:
         # It computed the parameters' gradients anyway: keep them (whole in B), never run it again.
-        store.kept_whole(_name(self), [p for p in params if p is not None])
+        store.kept_whole(_name(self), params)
         return raw
     work = _SplitWork(user, ctx.asking(tuple(i in info.deferred for i in range(len(needs)))), tuple(grads), info,
                       _name(self) if seen.count else None, kept)
@@ -331,14 +331,19 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def _grad_versions(params: list[torch.Tensor | None]) -> list[Any]:
+def _params_behind(store: GraphStore, node: Node, depth: int) -> list[torch.Tensor]:
+    """The parameters a parameter edge leads to: the parameter itself, or those behind its chain."""
+    param = store.trainable_param(node)
+    if param is not None:
+        return [param]
+    if depth >= _MAX_CHAIN or isinstance(node, torch._C._functions.AccumulateGrad):
+        return []
+    return [p for n, _ in node.next_functions if n is not None for p in _params_behind(store, n, depth + 1)]
+
+
+def _grad_versions(params: list[torch.Tensor]) -> list[Any]:
     """Where a backward could have put a parameter's gradient itself: ``.grad`` and ``main_grad``."""
-    out: list[Any] = []
-    for p in params:
-        if p is not None:
-            for g in (p.grad, getattr(p, "main_grad", None)):
-                out.append(None if g is None else (id(g), g._version))
-    return out
+    return [None if g is None else (id(g), g._version) for p in params for g in (p.grad, getattr(p, "main_grad", None))]
 
 
 def _versions(values: Any) -> list[int]:

@@ -140,7 +140,7 @@ class Stage(nn.Module):
                  *, both: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.first, self.quant, self.qfn = FnLinear(fn), FnLinear(quantize="gemm"), FnLinear(quantize="fn")
+        self.first, self.quant, self.qfn = FnLinear(fn), FnLinear(quantize="gemm"), FnLinear(fn, quantize="fn")
         self.two, self.norm, self.ckpt = TwoHead(both=both), nn.LayerNorm(DIM), ckpt
 
     def middle(self, h: torch.Tensor) -> torch.Tensor:
@@ -215,7 +215,7 @@ def test_custom_functions_split_into_b_and_w_and_match_fused(ckpt: Callable[...,
 
 
 def test_a_function_computing_everything_anyway_runs_whole_in_b_and_warns_once_naming_it() -> None:
-    model, store = Stage(EagerLinear), WeightGradStore()  # its qfn layer too: EagerLinear behind a quantizer
+    model, store = Stage(EagerLinear), WeightGradStore()  # qfn too: an EagerLinear behind a quantizer
     reference = copy.deepcopy(model)
     enable_split_backward([model], store, root=model)
     x = torch.randn(ROWS, DIM)
@@ -223,15 +223,15 @@ def test_a_function_computing_everything_anyway_runs_whole_in_b_and_warns_once_n
         for mb in range(2):
             _run_split(model, store, x * (mb + 1), torch.ones(ROWS, DIM), key=mb)
     messages = [str(w.message) for w in record if issubclass(w.category, SplitBackwardWarning)]
-    assert len(messages) == 1, messages
-    assert "EagerLinear" in messages[0] and "first (" in messages[0] and "needs_input_grad" in messages[0]
-    assert _in_b(model) == CHEAP | {"first.weight"}  # kept whole in B; the others still wait for W
-    # Run once per micro-batch, in B (the stage input needs no gradient here, as on a first stage).
-    assert _asked("EagerLinear") == [(False, False, True)] * 2
+    assert len(messages) == 1, messages  # two EagerLinear nodes per micro-batch, one warning in all
+    assert "EagerLinear" in messages[0] and "qfn (" in messages[0] and "needs_input_grad" in messages[0]
+    assert _in_b(model) == CHEAP | {"first.weight", "qfn.weight"}  # kept whole in B (qfn's through its quantizer)
+    # Once per node and micro-batch, in B: qfn, then first (whose input, as on a first stage, needs no gradient).
+    assert _asked("EagerLinear") == [(True, False, True), (False, False, True)] * 2
     ASKED.clear()
     store.run(0)
     store.run(1)
-    assert _asked("EagerLinear") == []  # never again in W
+    assert _asked("EagerLinear") == [] and _asked("Quantize") == [(True,)] * 2  # only the routed GEMM's quantizer in W
     for mb in range(2):
         reference(x * (mb + 1)).backward(torch.ones(ROWS, DIM))
     _assert_grads_match(model, reference)
