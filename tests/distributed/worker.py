@@ -48,6 +48,31 @@ class Block(nn.Module):
         return torch.tanh(self.norm(self.fc(x))) + x
 
 
+class _LinearFn(torch.autograd.Function):
+    """A linear layer as one custom autograd Function (as tensor-parallel and fused kernels are):
+    computes only the gradients ``ctx.needs_input_grad`` asks for."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])
+        return (g @ w if need[0] else None, g2.t() @ x.reshape(-1, x.shape[-1]) if need[1] else None,
+                g2.sum(0) if need[2] else None)
+
+
+class CustomBlock(Block):
+    """Block whose linear layer is a custom autograd Function: split backward over the graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(_LinearFn.apply(x, self.fc.weight, self.fc.bias))) + x
+
+
 class WideBlock(Block):
     """Block with more intermediates per parameter, as real layers have (the memory cases): split
     backward keeps each parametered op's input and output gradient until W, which for Block
@@ -149,7 +174,7 @@ def _build(case: dict[str, Any], p: int) -> tuple[PipelineModule, nn.Module, Any
         ref = _TiedReference(copy.deepcopy(embed), [copy.deepcopy(b) for b in blocks])
         specs = [TiedLayerSpec("embed", _Clone, embed)] + blocks + [TiedLayerSpec("embed", _Clone, embed, forward_fn=_head)]
         return PipelineModule(specs, num_stages=p, loss_fn=_ce, partition_method="uniform"), ref, _ce
-    blocks = _layers(n, seed=5, block=WideBlock if case.get("wide") else Block)
+    blocks = _layers(n, seed=5, block=WideBlock if case.get("wide") else CustomBlock if case.get("custom") else Block)
     ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
     if case.get("layerspec"):
         # LayerSpecs are rebuilt on each rank: seed them so both sides agree.
@@ -400,7 +425,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def _trace_b_w(engine: Any) -> list[list[Any]]:
     """Test-only instrumentation: around each B and W handler, how many of the stage's trainable
-    parameters had their ``.grad`` changed. Split backward must leave them all to W."""
+    parameters had their ``.grad`` changed, and how many of them are cheap (at most one
+    dimension). Split backward must leave all but the cheap ones to W."""
     from ds_vshape.runtime import instructions as ins
 
     events: list[list[Any]] = []
@@ -413,7 +439,8 @@ def _trace_b_w(engine: Any) -> list[list[Any]]:
             handler(self, **kwargs)
             changed = sum(not (b is None and p.grad is None or b is not None and p.grad is not None and torch.equal(b, p.grad))
                           for b, p in zip(before, params))
-            events.append([kind, kwargs["stage"], kwargs["micro_batch"], changed, len(params)])
+            cheap = sum(p.dim() <= 1 for p in params)
+            events.append([kind, kwargs["stage"], kwargs["micro_batch"], changed, len(params), cheap])
         return run
 
     table[ins.BackwardInput] = traced("B", table[ins.BackwardInput])

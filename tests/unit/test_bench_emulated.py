@@ -74,6 +74,29 @@ def test_split_backward_under_ds_vshape_store_matches_and_defers_w() -> None:
         torch.testing.assert_close(got, want)
 
 
+def test_graph_mode_under_ds_vshape_store_defers_the_weight_pass_to_w() -> None:
+    """The weight through a custom Function (``_WeightPass``): ds_vshape's W, not its B, runs it."""
+    layers = make_layers(2, DIM, 0.0, 1e-6, 1e-6, mode="graph", seed=2)
+    model, ref = nn.Sequential(*layers), _reference(layers)
+    store = WeightGradStore()
+    enable_split_backward([model], store)
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with store.forward_of("u"):
+        out = model(x)
+    DEVICE.reset()
+    with store.deferring("u"):
+        out.pow(2).sum().backward()
+    assert DEVICE.count.get("B") == 2 and "W" not in DEVICE.count
+    assert all(layer.fc.weight.grad is None for layer in layers)
+    store.run("u")
+    assert DEVICE.count.get("W") == 2
+    ref(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+
+
 def test_graph_mode_weight_pass_runs_in_weight_grad_only() -> None:
     """torch.distributed.pipelining's split: grad w.r.t. inputs first, weights later."""
     layers = make_layers(2, DIM, 0.0, 1e-6, 1e-6, mode="graph", seed=3)
