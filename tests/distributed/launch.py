@@ -20,8 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODE_ENV = "DS_VSHAPE_TEST_NCCL"  # the emulation mode of launches that do not name one: eager (default), lazy or off
+
+
+def default_mode() -> str | None:
+    """What a launch that names no mode runs under: NCCL's eager rules unless the env says otherwise."""
+    mode = os.environ.get(MODE_ENV, "eager")
+    if mode not in ("eager", "lazy", "off"):
+        raise ValueError(f"{MODE_ENV} must be eager, lazy or off, got {mode!r}")
+    return None if mode == "off" else mode
+
+
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
-           nccl: bool | str = False, backend: str = "gloo") -> list[dict[str, Any]]:
+           nccl: bool | str | None = None, backend: str = "gloo") -> list[dict[str, Any]]:
     """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
 
     ``nccl="eager"`` or ``"lazy"`` runs the ranks under tests/distributed/nccl_emulation: gloo
@@ -30,6 +41,8 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's accelerator left to
     detect CUDA.
     """
+    if nccl is None:  # users run NCCL: every engine test obeys its rules unless it says otherwise
+        nccl = default_mode() if backend == "gloo" else False
     mode = "eager" if nccl is True else nccl or None
     if backend not in ("gloo", "nccl") or mode not in (None, "eager", "lazy") or (mode and backend != "gloo"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', nccl False, True, 'eager' or 'lazy' (emulation only on "
