@@ -189,7 +189,12 @@ def test_sends_are_released_during_the_step(results_p4: dict) -> None:
     """Bytes in flight peak at the same level whatever m: sends do not wait for the step's end."""
     small, large = results_p4["inflight-v-zb-m8"], results_p4["inflight-v-zb-m32"]
     _assert_parity("inflight-v-zb-m32", large)
-    assert [r["peak_inflight_bytes"] for r in large] == [r["peak_inflight_bytes"] for r in small]
+    # The release rule (a later receive from the same peer completed) bounds what is held
+    # whatever m; a backend reporting completions earlier only lowers a peak, and under the
+    # NCCL emulation completions arrive asynchronously, so the peaks may differ a little.
+    # Sends held to the end of the step would make m=32's peak about 4x m=8's.
+    for rank, (lg, sm) in enumerate(zip(large, small)):
+        assert lg["peak_inflight_bytes"] <= 1.25 * sm["peak_inflight_bytes"], (rank, lg["peak_inflight_bytes"], sm["peak_inflight_bytes"])
     assert all(r["peak_inflight_bytes"] > 0 for r in large)
 
 
