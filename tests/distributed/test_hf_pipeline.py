@@ -21,7 +21,7 @@ def _cases() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf")))
+    return _by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases()])

@@ -4,10 +4,12 @@ checks, the control, every ds_vshape schedule.
 The emulation launch (4 ranks): stock DeepSpeed 1F1B (the control: it runs on NCCL in
 production, so it must run here) at PP=4 and PP2xDP2 on plain gloo, then eager, then lazy;
 then the self-checks, which show the emulation does what torch's ProcessGroupNCCL does.
-The ds_vshape launches (eager, as DeepSpeed runs on GPUs): every schedule at PP=4, PP2xDP2
-and p=2 against the non-pipelined reference; in-flight transfer bytes at m=8 and m=32; a
-step that fails (last: it wedges its communicator, as it would under NCCL), after which the
-engine must refuse.
+The ds_vshape launches: every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined
+reference under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init),
+with in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules (the
+eager p=2 run is test_engine's, whose launches run under the eager emulation by default)
+and a step that fails (last: it wedges its communicator, as it would under NCCL), after
+which the engine must refuse.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 import pytest
 
 from .launch import launch
-from .test_engine import RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases
+from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases,
+                          test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
 pytestmark = pytest.mark.distributed
 
@@ -39,16 +42,29 @@ INFLIGHT_CASES = [
 FAILED_STEP = {"name": "failed-step", "schedule": "v-half", "p": 2, "m": 4, "fail_step": True, "pipeline": {"p2p_timeout_s": 3}}
 
 
-@pytest.fixture(scope="module")
-def nccl_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    tmp = tmp_path_factory.mktemp("nccl_p4")
-    return _by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl="eager"))
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
+    return _by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param))
+
+
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
+    return _by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param))
 
 
 @pytest.fixture(scope="module")
 def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nccl_p2")
-    return _by_case(launch(_parity_cases(2) + [FAILED_STEP], 2, tmp, nccl="eager"))
+    checkpoint = {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
+                  "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}}
+    return _by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy"))
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
+def test_every_schedule_under_nccl_rules_p3(nccl_p3: dict, case: str) -> None:
+    _assert_parity(case, nccl_p3[case])
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(2)])
@@ -76,6 +92,10 @@ def test_bytes_in_flight_do_not_grow_with_micro_batches(nccl_p4: dict, name: str
     # differ by what the threads' timing released; on plain gloo (test_engine) they are equal.
     for rank, (a, b) in enumerate(zip(small, large)):
         assert 0 < b["peak_inflight_bytes"] <= 2 * a["peak_inflight_bytes"], (rank, a["peak_inflight_bytes"], b["peak_inflight_bytes"])
+
+
+def test_checkpoint_from_1f1b_loads_under_v_half_under_lazy_rules(nccl_p2: dict) -> None:
+    _assert_checkpoint_moves(nccl_p2)
 
 
 def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2: dict) -> None:

@@ -86,7 +86,7 @@ def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl=True))
+    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl="lazy"))
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2
 
 @pytest.fixture(scope="module")
 def seq_results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl=True))
+    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in NCCL_CASES])
