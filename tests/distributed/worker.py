@@ -103,8 +103,8 @@ def kept_fraction(*, layers: int = 2, block: type[Block] = Block) -> float:
     Measured with the runtime's own meter and store on one process, so the memory test can
     hand the schedule (and the simulator) the true figure for this model.
     """
-    from ds_vshape.runtime.memory import ActivationMeter
-    from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
+    from ds_vshape.runtime.measuring.memory import ActivationMeter
+    from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 
     torch.manual_seed(0)
     stage = nn.Sequential(*[block() for _ in range(layers)])

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_vshape.runtime.p2p_waits import Batch, StreamWaits
+from ds_vshape.runtime.transfers.p2p_waits import Batch, StreamWaits
 
 pytestmark = pytest.mark.gpu
 

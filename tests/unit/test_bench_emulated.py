@@ -18,8 +18,8 @@ from torch import nn
 
 from benchmarks.async_device import AsyncDevice, DeviceStream, ReadyTable, TransferModel, tensor_key
 from benchmarks.emulated import DEVICE, EmuLayer, make_layers
-from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 
 DIM, ROWS = 8, 4
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ds_vshape.config import ConfigError, parse_pipeline_config
-from ds_vshape.runtime.pending import PendingValue
-from ds_vshape.runtime.post_validation import MARGIN, ClippingDefaultWarning, check_post_validation_config, decide
-from ds_vshape.runtime.snapshot import StepSnapshot
+from ds_vshape.runtime.step_end.pending import PendingValue
+from ds_vshape.runtime.step_end.post_validation import MARGIN, ClippingDefaultWarning, check_post_validation_config, decide
+from ds_vshape.runtime.step_end.snapshot import StepSnapshot
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.split_backward import SplitBackwardWarning, WeightGradStore, enable_split_backward
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.split.split_backward import SplitBackwardWarning, WeightGradStore, enable_split_backward
 
 DIM, ROWS = 8, 6
 TOL = 1e-6

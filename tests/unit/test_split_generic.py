@@ -24,8 +24,8 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.split_backward import SplitBackwardWarning, WeightGradStore, enable_split_backward
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.split.split_backward import SplitBackwardWarning, WeightGradStore, enable_split_backward
 
 DIM, VOCAB, ROWS, SEQ = 8, 11, 2, 3
 TOL = 1e-6

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss, seq_chunk_refusal
-from ..hf import seq_chunk as chunk_context
-from ..hf.loss import causal_lm_chunk_loss, shifted_targets
-from ..schedules.seq_partition import chunk_boundaries
+from ...hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss, seq_chunk_refusal
+from ...hf import seq_chunk as chunk_context
+from ...hf.loss import causal_lm_chunk_loss, shifted_targets
+from ...schedules.seq_partition import chunk_boundaries
 
 __all__ = ["SeqChunks", "check_module"]
 
