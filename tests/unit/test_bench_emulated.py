@@ -200,6 +200,19 @@ def test_received_tensor_waits_for_producer_and_transfer(two_ranks: tuple[AsyncD
     assert a.run(0.001, "B").start == pytest.approx(ready)
 
 
+def test_transfers_from_one_peer_share_its_communicator_stream(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:
+    # Two tensors ready at once from the same peer: the second transfer starts when the first ends.
+    a, b = two_ranks
+    t, u = torch.randn(ROWS, DIM), torch.randn(ROWS, DIM)
+    a.run(0.1, "F")
+    a.produced(t)
+    a.produced(u)
+    ready, hop = a.stream.tail_end, 1e-3 + t.numel() * 4 / 1e6
+    b.consumed(t.clone())
+    b.consumed(u.clone())
+    assert b.run(0.001, "F").start == pytest.approx(ready + 2 * hop)
+
+
 def test_unknown_tensor_does_not_wait(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:
     _, b = two_ranks
     b.consumed(torch.randn(ROWS, DIM))
