@@ -31,7 +31,7 @@ def _m(name: str) -> int:
 
 
 def _case(name: str, tag: str) -> dict[str, Any]:
-    return {"name": f"{tag}-{name}", "tp": 2, "p": 2, "m": _m(name), "schedule": name, "layers": 4}
+    return {"name": f"{tag}-{name}", "tp": 2, "p": 2, "m": _m(name), "schedule": name}
 
 
 def _run(cases: list[dict[str, Any]], nproc: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
