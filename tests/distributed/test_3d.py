@@ -39,9 +39,17 @@ def _run(cases: list[dict[str, Any]], nproc: int, tmp: Path) -> dict[str, list[d
     return {c["name"]: [r[c["name"]] for r in per_rank] for c in cases}
 
 
+def _ckpt_case(tmp: Path) -> dict[str, Any]:
+    """v-half saves after 2 steps (SGD with momentum: optimizer state to map), 1f1b loads and trains a third."""
+    sgd = {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}
+    return {"name": "pp2tp2-ckpt", "tp": 2, "p": 2, "m": 4, "schedule": "v-half", "momentum": 0.9,
+            "extra_config": {"optimizer": sgd}, "ckpt": {"dir": str(tmp / "ckpt"), "load_as": "1f1b"}}
+
+
 @pytest.fixture(scope="module")
 def pp2_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run([_case(n, "pp2tp2") for n in PP2_TP2], 4, tmp_path_factory.mktemp("pp2tp2"))
+    tmp = tmp_path_factory.mktemp("pp2tp2")
+    return _run([_case(n, "pp2tp2") for n in PP2_TP2] + [_ckpt_case(tmp)], 4, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +77,15 @@ def test_pp2_tp2_equals_the_unsharded_model(pp2_tp2: dict, schedule: str) -> Non
 @pytest.mark.parametrize("schedule", PP2_TP2_DP2)
 def test_pp2_tp2_dp2_equals_the_unsharded_model(pp2_tp2_dp2: dict, schedule: str) -> None:
     _check(f"pp2tp2dp2-{schedule}", pp2_tp2_dp2[f"pp2tp2dp2-{schedule}"], dp=2)
+
+
+def test_pp2_tp2_checkpoint_crosses_schedules_per_tensor_parallel_rank(pp2_tp2: dict) -> None:
+    ranks = pp2_tp2["pp2tp2-ckpt"]
+    _check("pp2tp2-ckpt", ranks, dp=1)  # 2 steps under v-half, 1 under 1f1b after the load: the reference's 3
+    assert all(r["loaded_schedule"] == "1f1b" and len(r["losses"]) == 3 for r in ranks)
+    files = ranks[0]["ckpt_files"]
+    optim = [f"vs_optim_pp_rank_{p:02d}_tp_rank_{t:02d}.pt" for p in range(2) for t in range(2)]
+    assert set(optim) <= set(files), files  # named optimizer state per pipeline and tensor-parallel rank
+    layers = [f for f in files if f.startswith("layer_")]
+    assert layers and all("-model_00-" in f or "-model_01-" in f for f in layers), layers
+    assert len(layers) == 2 * len({f.split("-")[0] for f in layers}), layers  # each layer once per tensor-parallel rank

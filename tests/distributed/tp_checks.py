@@ -27,7 +27,7 @@ from torch import nn
 import ds_vshape
 from ds_vshape.config import parse_pipeline_config
 from tests.distributed.worker import _config, _mse
-from tests.distributed.zero_checks import _global_mean, _reference, _replica_data
+from tests.distributed.zero_checks import _global_mean, _replica_data
 
 __all__ = ["run_tp_case", "TPBlock", "FullBlock"]
 
@@ -139,7 +139,8 @@ def _layer_counts(case: dict[str, Any]) -> tuple[int, int]:
     Under a split-backward schedule the first stage holds only the input layers: split
     backward fails on a first stage (whose input needs no gradient) with a custom Function
     behind a residual (tests/unit/test_split_first_stage.py, xfail, a split_graph bug)."""
-    schedule = parse_pipeline_config({"pipeline": {"schedule": case["schedule"]}}).make_schedule(case["p"], case["m"])
+    name = case.get("layers_of", case["schedule"])  # a checkpoint case keeps the saving schedule's layer list
+    schedule = parse_pipeline_config({"pipeline": {"schedule": name}}).make_schedule(case["p"], case["m"])
     total = 2 * schedule.num_model_stages
     plain = 2 if schedule.uses_split_backward else 1
     return plain, total - plain
@@ -174,17 +175,70 @@ def _shard_diff(engine: Any, ref: nn.Sequential, tp_rank: int, tp: int) -> float
 
 
 def run_tp_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Train ``steps`` steps on the 3D pipeline and on the reference; report losses and shard differences."""
+    """Train ``steps`` steps on the 3D pipeline and on the reference; report losses and shard differences.
+
+    With ``"ckpt": {"dir", "load_as"}`` the trained engine saves, an engine under schedule
+    ``load_as`` loads weights and optimizer state, and trains one step more (the reference too)."""
     m, steps, tp = case["m"], case.get("steps", 2), case["tp"]
+    more = 1 if case.get("ckpt") else 0
     module, ref, tp_rank = _build(case)
     engine, *_ = ds_vshape.initialize(model=module, config=_config(case, m))
     grid = engine.grid
     dp = grid.get_data_parallel_world_size()
-    per_replica = _replica_data(case, steps, m, dp)
+    per_replica = _replica_data(case, steps + more, m, dp)
     it = iter(per_replica[grid.get_data_parallel_rank()])
-    losses = _global_mean([engine.train_batch(it).item() for _ in range(steps)], engine)
-    clip = case.get("clip", 0.05)
-    ref_losses = _reference(ref, _mse, per_replica, m, steps, clip)
-    return {"losses": losses, "ref_losses": ref_losses, "param_diff": _shard_diff(engine, ref, tp_rank, tp),
-            "dp": dp, "tp": grid.get_slice_parallel_world_size(), "tp_rank": tp_rank, "stage": engine.stage_id,
-            "global_norm": float(engine.get_global_grad_norm() or 0.0), "rank": int(os.environ.get("RANK", "0"))}
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    result: dict[str, Any] = {"global_norm": float(engine.get_global_grad_norm() or 0.0)}
+    if more:
+        engine, extra = _resume(engine, case)
+        # A fresh iterator at the next step: a rank that held neither the first nor the last
+        # stage under the saving placement read no micro-batches from the old one.
+        losses += [engine.train_batch(iter(per_replica[grid.get_data_parallel_rank()][steps * m:])).item()]
+        result.update(extra)
+    ref_losses = _train_reference(ref, per_replica, m, steps + more, clip=case.get("clip", 0.05), momentum=case.get("momentum", 0.0))
+    return {**result, "losses": _global_mean(losses, engine), "ref_losses": ref_losses,
+            "param_diff": _shard_diff(engine, ref, tp_rank, tp), "dp": dp, "tp": grid.get_slice_parallel_world_size(),
+            "tp_rank": tp_rank, "stage": engine.stage_id, "rank": int(os.environ.get("RANK", "0"))}
+
+
+def _resume(engine: Any, case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Save, then load into a new engine under ``case["ckpt"]["load_as"]`` (weights and optimizer state)."""
+    root, other = case["ckpt"]["dir"], dict(case, schedule=case["ckpt"]["load_as"], layers_of=case["schedule"])
+    engine.save_checkpoint(root, tag="t")
+    module, _, _ = _build(other)
+    loaded, *_ = ds_vshape.initialize(model=module, config=_config(other, other["m"]))
+    loaded.load_checkpoint(root, tag="t")
+    files = sorted(f for f in os.listdir(os.path.join(root, "t")) if f.startswith(("vs_optim", "layer_")))
+    saved, got = _all_params(engine), _all_params(loaded)
+    shared = sorted(set(saved) & set(got))  # every layer of this tensor-parallel rank, wherever it lives
+    diff = max(((saved[n] - got[n]).abs().max().item() for n in shared), default=0.0)
+    return loaded, {"ckpt_files": files, "loaded_schedule": loaded.schedule.name, "load_diff": diff,
+                    "load_compared": len(shared), "load_bad": [n for n in shared if not torch.equal(saved[n], got[n])][:6]}
+
+
+def _all_params(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of this rank's tensor-parallel slice of the model, gathered from all pipeline ranks."""
+    mine = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    items: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(items, (engine.grid.get_slice_parallel_rank(), mine))
+    tp_rank = engine.grid.get_slice_parallel_rank()
+    return {n: t for r, params in items if r == tp_rank for n, t in params.items()}
+
+
+def _train_reference(ref: nn.Module, per_replica: list[list[Any]], m: int, steps: int, *, clip: float,
+                     momentum: float) -> list[float]:
+    """The non-sharded model: every replica's micro-batches averaged, clipped, torch SGD."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=momentum)
+    n, losses = m * len(per_replica), []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for data in per_replica:
+            for x, y in data[step * m:(step + 1) * m]:
+                loss = _mse(ref(x), y)
+                (loss / n).backward()
+                total += loss.item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        losses.append(total / n)
+    return losses
