@@ -30,8 +30,10 @@ def _m(name: str) -> int:
     return max(info.min_micro_batches(2, info.chunks(None), 1), 4)
 
 
-def _case(name: str, tag: str) -> dict[str, Any]:
-    return {"name": f"{tag}-{name}", "tp": 2, "p": 2, "m": _m(name), "schedule": name}
+def _case(name: str, tag: str, *, dp: int = 1) -> dict[str, Any]:
+    # All three batch keys, as a user's config has them: they must fit dp replicas, not world / p.
+    batch = {"train_batch_size": 4 * _m(name) * dp}  # 4: worker.ROWS, the micro-batch size
+    return {"name": f"{tag}-{name}", "tp": 2, "p": 2, "m": _m(name), "schedule": name, "extra_config": batch}
 
 
 def _run(cases: list[dict[str, Any]], nproc: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
@@ -54,7 +56,7 @@ def pp2_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
 
 @pytest.fixture(scope="module")
 def pp2_tp2_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run([_case(n, "pp2tp2dp2") for n in PP2_TP2_DP2], 8, tmp_path_factory.mktemp("pp2tp2dp2"))
+    return _run([_case(n, "pp2tp2dp2", dp=2) for n in PP2_TP2_DP2], 8, tmp_path_factory.mktemp("pp2tp2dp2"))
 
 
 def _check(name: str, ranks: list[dict[str, Any]], *, dp: int) -> None:
