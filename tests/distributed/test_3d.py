@@ -66,6 +66,8 @@ def _check(name: str, ranks: list[dict[str, Any]], *, dp: int) -> None:
         for got, want in zip(res["losses"], res["ref_losses"], strict=True):
             assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{name} rank {rank}: loss {got} vs reference {want}"
         assert res["param_diff"] <= TOL, f"{name} rank {rank}: shards differ from the reference by {res['param_diff']}"
+        peers = [tuple(c) for c in res["p2p_peers"]]  # transfers stay within one (data, tensor-parallel) coordinate
+        assert len(peers) == 1, f"{name} rank {rank}: transfers reach (data, model) coordinates {peers}"
     # Every rank of the job reports the same global norm (pipeline and tensor ranks summed).
     norms = {round(r["global_norm"], 9) for r in ranks}
     assert len(norms) == 1, f"{name}: ranks disagree on the global norm: {norms}"

@@ -188,7 +188,7 @@ def run_tp_case(case: dict[str, Any]) -> dict[str, Any]:
     per_replica = _replica_data(case, steps + more, m, dp)
     it = iter(per_replica[grid.get_data_parallel_rank()])
     losses = [engine.train_batch(it).item() for _ in range(steps)]
-    result: dict[str, Any] = {"global_norm": float(engine.get_global_grad_norm() or 0.0)}
+    result: dict[str, Any] = {"global_norm": float(engine.get_global_grad_norm() or 0.0), "p2p_peers": _p2p_peers(engine)}
     if more:
         engine, extra = _resume(engine, case)
         # A fresh iterator at the next step: a rank that held neither the first nor the last
@@ -199,6 +199,13 @@ def run_tp_case(case: dict[str, Any]) -> dict[str, Any]:
     return {**result, "losses": _global_mean(losses, engine), "ref_losses": ref_losses,
             "param_diff": _shard_diff(engine, ref, tp_rank, tp), "dp": dp, "tp": grid.get_slice_parallel_world_size(),
             "tp_rank": tp_rank, "stage": engine.stage_id, "rank": int(os.environ.get("RANK", "0"))}
+
+
+def _p2p_peers(engine: Any) -> list[list[int]]:
+    """(data, model) coordinates of every process this rank's transfers reach: its own, or it pairs wrong ranks."""
+    topo, p2p = engine.module.topology(), engine._p2p
+    ranks = set(p2p.global_rank_of) | {r for g in p2p.groups.values() for r in dist.get_process_group_ranks(g)}
+    return sorted({(topo.get_coord(r).data, topo.get_coord(r).model) for r in ranks})  # type: ignore[misc]
 
 
 def _resume(engine: Any, case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
