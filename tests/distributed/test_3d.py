@@ -1,7 +1,8 @@
 """3D jobs: pipeline x tensor-parallel (x data-parallel) against a non-sharded model.
 
-A 4-rank launch runs PP2 x TP2 under every runtime schedule; an 8-rank launch runs
-PP2 x TP2 x DP2 under 1f1b, zb-h1 and v-half. The model's layers are Megatron-style
+A 4-rank launch runs PP2 x TP2 under every runtime schedule, and a checkpoint saved under
+v-half and resumed under 1f1b; an 8-rank launch runs PP2 x TP2 x DP2 under 1f1b, zb-h1 and
+v-half, and v-half with ZeRO-1 and zb-h1 with ZeRO-2. The model's layers are Megatron-style
 column/row-parallel linears (custom autograd Functions with the all-reduces, see
 tp_checks.py); after 2 steps with clipping active every shard equals its slice of the
 reference, and the losses equal the reference's (fp32, 1e-5).
@@ -23,6 +24,7 @@ TOL = 1e-5
 # seq1f1b needs attention-aware chunking; everything else runs here (as in test_engine.py).
 PP2_TP2 = [n for n in schedule_names() if n != "seq1f1b"]
 PP2_TP2_DP2 = ["1f1b", "zb-h1", "v-half"]
+ZERO = [("v-half", 1), ("zb-h1", 2)]  # ZeRO-1/2 partition over the data-parallel replicas (DP2)
 
 
 def _m(name: str) -> int:
@@ -56,7 +58,8 @@ def pp2_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
 
 @pytest.fixture(scope="module")
 def pp2_tp2_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run([_case(n, "pp2tp2dp2", dp=2) for n in PP2_TP2_DP2], 8, tmp_path_factory.mktemp("pp2tp2dp2"))
+    zero = [dict(_case(n, f"pp2tp2dp2-zero{z}", dp=2), zero=z) for n, z in ZERO]
+    return _run([_case(n, "pp2tp2dp2", dp=2) for n in PP2_TP2_DP2] + zero, 8, tmp_path_factory.mktemp("pp2tp2dp2"))
 
 
 def _check(name: str, ranks: list[dict[str, Any]], *, dp: int) -> None:
@@ -93,3 +96,9 @@ def test_pp2_tp2_checkpoint_crosses_schedules_per_tensor_parallel_rank(pp2_tp2: 
     layers = [f for f in files if f.startswith("layer_")]
     assert layers and all("-model_00-" in f or "-model_01-" in f for f in layers), layers
     assert len(layers) == 2 * len({f.split("-")[0] for f in layers}), layers  # each layer once per tensor-parallel rank
+
+
+@pytest.mark.parametrize(("schedule", "zero"), ZERO)
+def test_pp2_tp2_dp2_with_zero_equals_the_unsharded_model(pp2_tp2_dp2: dict, schedule: str, zero: int) -> None:
+    name = f"pp2tp2dp2-zero{zero}-{schedule}"
+    _check(name, pp2_tp2_dp2[name], dp=2)
