@@ -198,7 +198,7 @@ def run_tp_case(case: dict[str, Any]) -> dict[str, Any]:
     ref_losses = _train_reference(ref, per_replica, m, steps + more, clip=case.get("clip", 0.05), momentum=case.get("momentum", 0.0))
     return {**result, "losses": _global_mean(losses, engine), "ref_losses": ref_losses,
             "param_diff": _shard_diff(engine, ref, tp_rank, tp), "dp": dp, "tp": grid.get_slice_parallel_world_size(),
-            "tp_rank": tp_rank, "stage": engine.stage_id, "rank": int(os.environ.get("RANK", "0"))}
+            "tp_rank": tp_rank, "stage": engine.stage_id, "last": engine.is_last_stage(), "rank": int(os.environ.get("RANK", "0"))}
 
 
 def _p2p_peers(engine: Any) -> list[list[int]]:
