@@ -55,7 +55,8 @@ def _ckpt_case(tmp: Path) -> dict[str, Any]:
 def pp2_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("pp2tp2")
     post = [dict(_case(n, "pp2tp2-pv"), steps=3, pipeline={"post_validation": True}) for n in POST_VALIDATED]
-    return _run([_case(n, "pp2tp2") for n in PP2_TP2] + [_ckpt_case(tmp)] + post, 4, tmp)
+    eager = [dict(_case("v-half", "pp2tp2-eager"), eager=True)]  # Megatron's linear: every gradient on every call
+    return _run([_case(n, "pp2tp2") for n in PP2_TP2] + [_ckpt_case(tmp)] + post + eager, 4, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,9 @@ def test_pp2_tp2_dp2_with_zero_equals_the_unsharded_model(pp2_tp2_dp2: dict, sch
 @pytest.mark.parametrize("schedule", POST_VALIDATED)
 def test_pp2_tp2_post_validated_equals_the_unsharded_model(pp2_tp2: dict, schedule: str) -> None:
     _check(f"pp2tp2-pv-{schedule}", pp2_tp2[f"pp2tp2-pv-{schedule}"], dp=1, losses_on_last_only=True)
+
+
+def test_pp2_tp2_linear_computing_every_gradient_runs_whole_in_b_and_equals(pp2_tp2: dict) -> None:
+    """A parallel linear whose backward computes the weight gradient anyway (Megatron's) is kept
+    whole in B by split backward; the 3D job still equals the reference."""
+    _check("pp2tp2-eager-v-half", pp2_tp2["pp2tp2-eager-v-half"], dp=1)

@@ -72,6 +72,20 @@ class _ParallelLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+class _EagerParallelLinear(_ParallelLinear):
+    """The same, computing every gradient whatever it is asked (as Megatron's linear does):
+    split backward keeps it whole in B, with a warning."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        gx = grad @ w
+        if ctx.group is not None:
+            dist.all_reduce(gx, group=ctx.group)
+        return gx, g2.t() @ x2, g2.sum(0) if ctx.has_bias else None, None
+
+
 class FullBlock(nn.Module):
     """The non-sharded block: norm, fc1 (DIM -> HID), tanh, fc2 (HID -> DIM), residual."""
 
@@ -103,10 +117,11 @@ def shard_of(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int) -> torc
 class TPBlock(nn.Module):
     """FullBlock(seed) split over ``tp`` ranks, Megatron-style; shards marked ``tensor_model_parallel``."""
 
-    def __init__(self, seed: int, group: Any, tp_rank: int, tp: int) -> None:
+    def __init__(self, seed: int, group: Any, tp_rank: int, tp: int, *, eager: bool = False) -> None:
         super().__init__()
         full = FullBlock(seed)
         self.group = group
+        self.linear = _EagerParallelLinear if eager else _ParallelLinear
         self.norm = copy.deepcopy(full.norm)
         source = dict(full.named_parameters())
         for name, (src, dim) in SLICES.items():
@@ -118,8 +133,8 @@ class TPBlock(nn.Module):
             setattr(self, name, param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(_ParallelLinear.apply(self.norm(x), self.w1, self.b1, self.group))  # column-parallel
-        out = _ReduceFromTP.apply(_ParallelLinear.apply(h, self.w2, None, None), self.group)  # row-parallel
+        h = torch.tanh(self.linear.apply(self.norm(x), self.w1, self.b1, self.group))  # column-parallel
+        out = _ReduceFromTP.apply(self.linear.apply(h, self.w2, None, None), self.group)  # row-parallel
         return out + self.b2 + x
 
 
@@ -156,7 +171,7 @@ def _build(case: dict[str, Any]) -> tuple[PipelineModule, nn.Sequential, int]:
     seeds = [50 + i for i in range(tp_blocks)]
     torch.manual_seed(49)
     inputs = [nn.Linear(DIM, DIM) for _ in range(plain)]  # replicated, as a real model's embedding
-    blocks = [copy.deepcopy(x) for x in inputs] + [TPBlock(s, group, tp_rank, tp) for s in seeds]
+    blocks = [copy.deepcopy(x) for x in inputs] + [TPBlock(s, group, tp_rank, tp, eager=case.get("eager", False)) for s in seeds]
     ref = nn.Sequential(*inputs, *[FullBlock(s) for s in seeds])
     module = PipelineModule(blocks, topology=topo, loss_fn=_mse, partition_method="uniform")
     return module, ref, tp_rank
