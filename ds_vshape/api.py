@@ -28,6 +28,7 @@ from .runtime.dropin.module import PipelineModule, from_deepspeed_module, releas
 from .runtime.measuring.profile import profiled_cut
 from .runtime.dropin.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
 from .runtime.program.seq_chunks import check_module as check_seq_chunk_module
+from .runtime.step_end.tensor_parallel import model_parallel_size
 from .runtime.step_end.post_validation import check_post_validation_config
 from .runtime.zero.zero import check_zero_config
 from .schedules import Schedule, get_info
@@ -187,9 +188,13 @@ class _DataParallel:
 def _micro_batches(config: dict[str, Any], model: DSPipelineModule) -> int:
     """Micro-batches per step, resolved by DeepSpeed's own rules from any one or two of
     train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps."""
-    dp = ds_dist.get_world_size() // model.num_stages
+    # The topology's model (tensor-parallel) axis holds no replicas: a 3D job's data-parallel
+    # size is world / (pipeline x tensor-parallel), as DeepSpeed's grid counts it.
+    tp = model_parallel_size(model._topo)
+    dp = ds_dist.get_world_size() // (model.num_stages * tp)
     try:
         resolved = DeepSpeedConfig(json.loads(json.dumps(config)), mpu=_DataParallel(dp))
     except AssertionError as err:
-        raise ConfigError(f"the batch keys do not fit {dp} data-parallel replicas x {model.num_stages} pipeline ranks: {err}") from None
+        shape = f"{dp} data-parallel replicas x {model.num_stages} pipeline ranks" + (f" x {tp} tensor-parallel ranks" if tp > 1 else "")
+        raise ConfigError(f"the batch keys do not fit {shape}: {err}") from None
     return int(resolved.gradient_accumulation_steps)

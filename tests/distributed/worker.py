@@ -347,6 +347,10 @@ def _match_by_value(engine: Any, ref: nn.Module) -> list[tuple[str, torch.Tensor
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     if "hf" in case:
         return run_hf_case(case)
+    if case.get("tp"):
+        from tests.distributed.tp_checks import run_tp_case
+
+        return run_tp_case(case)
     if case.get("p2p"):
         from tests.distributed.p2p_checks import run_p2p_case
 

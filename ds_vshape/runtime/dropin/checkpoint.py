@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,8 +46,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded here as asked, worded as what to change."""
 
 
-def optim_file(ckpt_dir: str, pipe_rank: int) -> str:
-    return os.path.join(ckpt_dir, f"vs_optim_pp_rank_{pipe_rank:02d}.pt")
+def optim_file(ckpt_dir: str, pipe_rank: int, *, tp_rank: int | None = None) -> str:
+    """One file per pipeline rank; per pipeline and tensor-parallel rank in a 3D job (``tp_rank`` given)."""
+    tp = "" if tp_rank is None else f"_tp_rank_{tp_rank:02d}"
+    return os.path.join(ckpt_dir, f"vs_optim_pp_rank_{pipe_rank:02d}{tp}.pt")
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,12 @@ class Layout:
     optimizer: str
     mapped: bool  # per-parameter state by name is (or can be) written
     holders: dict[str, list[int]] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks (the topology's model axis); files before 3D support lack it: 1
 
     def describe(self) -> str:
         name = "stock DeepSpeed (1f1b)" if self.schedule is None else f"schedule {self.schedule!r}"
-        return f"{name} at p={self.p} (stage-to-rank placement {list(self.placement)})"
+        tp = f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else ""
+        return f"{name} at p={self.p}{tp} (stage-to-rank placement {list(self.placement)})"
 
     def same_placement(self, other: Layout) -> bool:
         if (self.p, self.placement) != (other.p, other.placement):
@@ -90,7 +95,7 @@ def mappable(engine: Any) -> bool:
     """True when the optimizer keeps plain per-parameter state this module can name and map."""
     opt = engine.optimizer
     return (opt is not None and opt is getattr(engine, "basic_optimizer", None) and isinstance(opt, torch.optim.Optimizer)
-            and engine.zero_optimization_stage() == 0 and engine.grid.get_slice_parallel_world_size() == 1)
+            and engine.zero_optimization_stage() == 0)
 
 
 def _optimizer_name(engine: Any) -> str:
@@ -107,7 +112,7 @@ def layout_of(engine: Any) -> Layout:
     return Layout(schedule=engine.schedule.name, p=engine.num_stages, placement=tuple(module.placement),
                   stage_parts=tuple(int(b) for b in module.stage_parts), num_layers=len(module._layer_specs),  # numpy ints from DeepSpeed
                   zero_stage=engine.zero_optimization_stage(), optimizer=_optimizer_name(engine), mapped=mappable(engine),
-                  holders=unit_holders(module))
+                  holders=unit_holders(module), tp=engine.grid.get_slice_parallel_world_size())
 
 
 def stock_layout(ckpt_dir: str) -> Layout | None:
@@ -116,9 +121,12 @@ def stock_layout(ckpt_dir: str) -> Layout | None:
     if not ranks:
         return None  # not a pipeline checkpoint DeepSpeed wrote; DeepSpeed's loader reports it
     zero = 1 if glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")) else 0
-    p = len(ranks)
+    # A 3D job writes one mp_rank file per pipeline x tensor-parallel rank, and its layer files
+    # name the tensor-parallel rank (layer_03-model_01-model_states.pt).
+    tp = len({m.group(1) for f in os.listdir(ckpt_dir) if (m := re.match(r"layer_\d+-model_(\d+)-", f))}) or 1
+    p = len(ranks) // tp
     return Layout(schedule=None, p=p, placement=tuple(range(p)), stage_parts=None, num_layers=None, zero_stage=zero,
-                  optimizer="unknown", mapped=False)
+                  optimizer="unknown", mapped=False, tp=tp)
 
 
 def read_layout(ckpt_dir: str) -> Layout | None:
@@ -141,6 +149,10 @@ def plan_load(saved: Layout, current: Layout, *, load_optimizer: bool, where: st
         diff = sorted(set(saved.holders) ^ set(current.holders))[:4]
         raise CheckpointError(f"rank {rank}: checkpoint {where} and this PipelineModule differ in their layers and tied "
                               f"modules (e.g. {diff}); build the same layer list (and tied keys) that was saved")
+    if saved.tp != current.tp:  # each tensor-parallel rank's layer files hold its own slices
+        raise CheckpointError(f"rank {rank}: checkpoint {where} was saved with {saved.tp} tensor-parallel ranks but this "
+                              f"run has {current.tp}; resharding is not supported: build the PipeModelDataParallelTopology "
+                              f"with num_mp={saved.tp} to load it")
     if not load_optimizer:
         return WEIGHTS
     if saved.same_placement(current):
@@ -266,7 +278,13 @@ def save(engine: Any, save_dir: str, tag: Any) -> None:
             fh.write(layout.to_json())
     # Under ZeRO-0 every data-parallel replica holds the same state: one copy per pipeline rank.
     if layout.mapped and engine.grid.data_parallel_id == 0:
-        engine.checkpoint_engine.save(state_dict=optimizer_payload(engine), path=optim_file(ckpt_dir, engine.stage_id))
+        path = optim_file(ckpt_dir, engine.stage_id, tp_rank=_tp_rank(engine))
+        engine.checkpoint_engine.save(state_dict=optimizer_payload(engine), path=path)
+
+
+def _tp_rank(engine: Any) -> int | None:
+    """This rank's tensor-parallel rank in a 3D job (its optimizer file names it); None without one."""
+    return engine.grid.get_slice_parallel_rank() if engine.grid.get_slice_parallel_world_size() > 1 else None
 
 
 def load(engine: Any, load_fn: Any, load_dir: str, tag: Any, *, load_optimizer_states: bool, load_module_only: bool,
@@ -312,7 +330,7 @@ def _mapped(engine: Any, saved: Layout, ckpt_dir: str) -> dict[str, Any]:
     payloads: dict[int, dict[str, Any]] = {}
     error = None
     for r in needed_ranks(saved, mine):
-        path = optim_file(ckpt_dir, r)
+        path = optim_file(ckpt_dir, r, tp_rank=_tp_rank(engine))  # the same tensor-parallel rank's slices
         if not os.path.isfile(path):
             error = f"{path} is missing (pipeline rank {r}'s optimizer state); copy the whole checkpoint directory"
             break

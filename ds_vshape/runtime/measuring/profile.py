@@ -38,6 +38,7 @@ from ...tuning import INTEGER_DTYPES, SampleTensor
 from ..dropin.carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
 from ..transfers.device import comm_device
+from ..step_end.tensor_parallel import model_parallel_size
 
 __all__ = ["Profile", "profiled_cut", "measure_layers", "sample_micro_batch"]
 
@@ -73,7 +74,7 @@ def _micro_batch_size(config: dict[str, Any], model: DSPipelineModule) -> int:
     """train_micro_batch_size_per_gpu as DeepSpeed resolves it from the batch keys given."""
     class _DataParallel:  # just enough of an mpu, before the engine's grid exists
         def get_data_parallel_world_size(self) -> int:
-            return dist.get_world_size() // model.num_stages
+            return dist.get_world_size() // (model.num_stages * model_parallel_size(model._topo))  # not the model axis
 
     return int(DeepSpeedConfig(copy.deepcopy(config), mpu=_DataParallel()).train_micro_batch_size_per_gpu)
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from .pending import PendingValue
 from .snapshot import StepSnapshot
+from .tensor_parallel import counted_in_norm, norm_group
 
 __all__ = ["MARGIN", "ClippingDefaultWarning", "PostValidator", "Verdict", "check_post_validation_config", "decide", "reduce_stats"]
 
@@ -145,8 +146,8 @@ def _grads_for_norm(engine: Any) -> list[torch.Tensor]:
     if engine.bfloat16_enabled() and hasattr(opt, "get_grads_for_norm"):
         non_expert, _ = opt.get_grads_for_norm()  # its fp32 accumulators, the tied copy already left out
         return list(non_expert)
-    return [p.grad for p in engine.module.parameters()
-            if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+    tp_rank = engine.grid.get_slice_parallel_rank()
+    return [p.grad for p in engine.module.parameters() if p.grad is not None and counted_in_norm(p, tp_rank=tp_rank)]
 
 
 def _local_stats(engine: Any) -> torch.Tensor:
@@ -168,7 +169,7 @@ class PostValidator:
     """
 
     def __init__(self, engine: Any, *, speculate_after: int | None = None) -> None:
-        self._group = engine.grid.get_pipe_parallel_group()
+        self._group = norm_group(engine.grid)  # the pipeline, and its tensor-parallel ranks if any
         self._pending: _Pending | None = None
         self._in_flight: list[Any] = []  # unawaited all-reduces of steps that could not be wrong
         self.speculate_after = speculate_after

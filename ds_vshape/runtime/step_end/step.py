@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .post_validation import PostValidator, Verdict
 from .precision import agree_on_overflow, check_overflow_group
+from .tensor_parallel import counted_in_norm, norm_group
 
 __all__ = ["OptimizerStepMixin"]
 
@@ -121,19 +122,21 @@ class OptimizerStepMixin:
             self._meter.set_extra(self._store.parked_bytes)
 
     def clip_fp32_gradients(self) -> None:
-        """Clip by the global norm over all stages (DeepSpeed's own takes a per-stage norm)."""
+        """Clip by the global norm over all stages and tensor-parallel ranks (DeepSpeed's own
+        takes a per-stage norm); a tied copy or a tensor-parallel replica counts once."""
         if self._vs_optimistic:
             return  # post-validation clips, if at all, when it redoes the step
         max_norm = self.gradient_clipping()
-        grads = [(p.grad, getattr(p, "ds_pipe_replicated", False)) for p in self.module.parameters() if p.grad is not None]
+        tp_rank = self.grid.get_slice_parallel_rank()
+        grads = [(p.grad, counted_in_norm(p, tp_rank=tp_rank)) for p in self.module.parameters() if p.grad is not None]
         if self._vs_known_norm is not None:
             total = self._vs_known_norm  # a post-validation redo: the check already summed the same figures
         else:
             local = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for g, replicated in grads:
-                if not replicated:  # a tied copy on a second rank counts once, on its owner
+            for g, counted in grads:
+                if counted:
                     local += g.detach().double().pow(2).sum()
-            dist.all_reduce(local, group=self.grid.get_pipe_parallel_group())
+            dist.all_reduce(local, group=norm_group(self.grid))
             total = math.sqrt(local.item())
         self._global_grad_norm = total
         coef = max_norm / (total + 1e-6)
