@@ -23,11 +23,17 @@ import deepspeed.comm as ds_comm
 from tests.distributed import nccl_emulation
 from tests.distributed.worker import _build, _config, _data, _param_diff, _reference
 
-__all__ = ["run_nccl_selfcheck", "run_stock_control"]
+__all__ = ["HELD", "run_nccl_selfcheck", "run_stock_control"]
 
 BIG = 1 << 22  # 16 MiB of float32: far past any eager-send threshold
 WAIT_S = 20.0  # for ops that must complete
 HOLD_S = 2.0  # how long an op that must be held back is watched (it cannot complete causally)
+# Whether rank 0's receive from rank 1 holds back its later send to rank 2 (mode, kind, groups):
+# on one communicator it does. Eager: one per group. Lazy: a batch uses the group's, an
+# unbatched op its pair's.
+HELD = {("eager", "unbatched", "same"): True, ("eager", "batched", "same"): True,
+        ("lazy", "unbatched", "same"): False, ("lazy", "batched", "same"): True,
+        **{(mode, kind, "two"): False for mode in ("eager", "lazy") for kind in ("unbatched", "batched")}}
 DEADLOCK_S = 3.0  # the emulation's timeout in the wedging checks
 
 
@@ -93,9 +99,10 @@ def _batch_work(me: int) -> dict[str, Any]:
             "received_ok": bool((into == float(peer)).all()) and back.tolist() == [peer + 0.5] * 2}
 
 
-def _hold(me: int, groups: Callable[[list[int]], Any], *, batched: bool, same_group: bool) -> dict[str, Any]:
+def _hold(me: int, groups: Callable[[list[int]], Any], *, batched: bool, same_group: bool, held: bool) -> dict[str, Any]:
     """(a)/(b) Rank 0 posts a receive from rank 1, then a send to rank 2; rank 1 sends only once
-    rank 2 has watched its receive for HOLD_S. Returns whether rank 2 got the data before that."""
+    rank 2 has watched its receive (HOLD_S where it should be ``held``, causally sure; WAIT_S
+    where not, so a slow machine cannot fake a hold). Returns whether rank 2 got the data."""
     trio = groups([0, 1, 2])
     recv_group, send_group = (trio, trio) if same_group else (groups([0, 1]), groups([0, 2]))
     got: dict[str, Any] = {}
@@ -105,7 +112,7 @@ def _hold(me: int, groups: Callable[[list[int]], Any], *, batched: bool, same_gr
     elif me == 2:
         buf = torch.zeros(2)
         work = _post("recv", buf, 0, send_group, batched=batched)
-        got["before_release"] = _completes(work, HOLD_S) is None
+        got["before_release"] = _completes(work, HOLD_S if held else WAIT_S) is None
     _sync()
     if me == 1:
         _post("send", torch.full((2,), 1.0), 0, recv_group, batched=batched).wait(timeout=WAIT_S)
@@ -197,8 +204,9 @@ def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[st
         checks.update(tags=lambda: _tags_ignored(me), batch=lambda: _batch_work(me))
     for batched in (False, True):
         for same in (True, False):
-            name = f"hold-{'batched' if batched else 'unbatched'}-{'same' if same else 'two'}-groups"
-            checks[name] = functools.partial(_hold, me, groups, batched=batched, same_group=same)
+            kind, where = "batched" if batched else "unbatched", "same" if same else "two"
+            checks[f"hold-{kind}-{where}-groups"] = functools.partial(_hold, me, groups, batched=batched, same_group=same,
+                                                                     held=HELD[mode, kind, where])
     if mode == "eager":
         checks["header"] = functools.partial(_header_meets, me, groups, wait_s=WAIT_S)
     else:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from .launch import launch
+from .nccl_checks import HELD
 from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases,
                           test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
@@ -155,13 +156,6 @@ def test_a_batch_is_one_work_and_a_crossed_exchange_in_it_completes(emulation: d
     for rank in (0, 1):
         got = _check(emulation, rank, mode, "batch")
         assert got == {"works": 1, "work_type": "EmulatedWork", "error": None, "received_ok": True}, (rank, got)
-
-
-# Whether rank 0's receive from rank 1 holds back its later send to rank 2: on one communicator
-# it does. Eager: one per group. Lazy: a batch uses the group's, an unbatched op its pair's.
-HELD = {("eager", "unbatched", "same"): True, ("eager", "batched", "same"): True,
-        ("lazy", "unbatched", "same"): False, ("lazy", "batched", "same"): True,
-        **{(mode, kind, "two"): False for mode in ("eager", "lazy") for kind in ("unbatched", "batched")}}
 
 
 @pytest.mark.parametrize(("mode", "kind", "groups"), list(HELD))

@@ -70,7 +70,7 @@ class _Emulator:
         if not batched and self.mode == "lazy":
             a, b = sorted((dist.get_rank(), ops[0].peer))
             pair = (a, b)
-        return self._enqueue(CommKey(group.group_name, pair), label, functools.partial(_exchange, self.transport, ops))
+        return self._enqueue(CommKey(group.group_name, pair), label, functools.partial(self.transport.exchange, ops))
 
     def collective(self, name: str, group: Any, call: Callable[[], Any]) -> EmulatedWork:
         """One entry on the group's communicator: the real gloo collective, run from its thread."""
@@ -79,10 +79,6 @@ class _Emulator:
     def unfinished(self) -> int:
         with self._issue_lock:
             return sum(comm.unfinished for comm in self._comms.values())
-
-
-def _exchange(transport: Transport, ops: list[P2P], comm: Communicator) -> None:
-    transport.exchange(ops, comm)
 
 
 _EMU: _Emulator | None = None

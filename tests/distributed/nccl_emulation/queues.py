@@ -140,7 +140,9 @@ class Communicator:
 class Transport:
     """Rendezvous p2p over gloo: a receiver posts its data receive, then sends a one-byte ready
     token; a sender sends its data only once the peer's token for it arrived (tokens arrive in
-    the peer's receive order, so the i-th token is for the i-th send)."""
+    the peer's receive order, so the i-th token is for the i-th send). Gloo 2.13's tcp send also
+    waits for a posted receive, but that is its transport's choice, not a promise: the token
+    keeps the rule whatever gloo does."""
 
     def __init__(self, isend: Callable[..., Any], irecv: Callable[..., Any]) -> None:
         self._isend, self._irecv = isend, irecv
