@@ -53,9 +53,10 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, _ds_config, _micro_batches, hop_latency, run_everywhere  # noqa: E402
+from benchmarks.bench_emulated import _append, _ds_config, _micro_batches, run_everywhere  # noqa: E402
+from benchmarks.hops import hop_latency  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
-from ds_vshape.runtime import instructions as ins  # noqa: E402
+from ds_vshape.runtime.program import instructions as ins  # noqa: E402
 from ds_vshape.schedules import Costs, generate, get_info, simulate  # noqa: E402
 from ds_vshape.schedules.auto import AutoSettings, candidates  # noqa: E402
 from ds_vshape.schedules.placement import linear, vshape  # noqa: E402

@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -42,8 +41,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 import ds_vshape  # noqa: E402
 from benchmarks.async_device import AsyncDevice, ReadyTable, TransferModel, default_table_path  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
-from ds_vshape.runtime.transfers.comm import ACT, GRAD, P2P, Recv  # noqa: E402
-from ds_vshape.runtime.transfers.p2p_groups import pair_groups  # noqa: E402
+from benchmarks.hops import hop_latency  # noqa: E402
+from benchmarks.probe import Probe, instrument_engine  # noqa: E402
 from ds_vshape.runtime.measuring.memory import ActivationMeter  # noqa: E402
 from ds_vshape.schedules import schedule_names  # noqa: E402
 
@@ -110,66 +109,10 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
-# ---- per-step probes -------------------------------------------------------------------------
-class Probe:
-    """Per-rank measurements of one step: handler times, device time, activation peak."""
-
-    def __init__(self) -> None:
-        self.handler_s: dict[str, float] = defaultdict(float)
-        self.handler_n: dict[str, int] = defaultdict(int)
-        self.durations: dict[str, list[float]] = defaultdict(list)
-        self.meter: ActivationMeter | None = None
-
-    def reset(self) -> None:
-        self.handler_s.clear()
-        self.handler_n.clear()
-        self.durations.clear()
-        DEVICE.reset()
-        if self.meter is not None:
-            self.meter.reset_peak()
-
-    def record(self, name: str, seconds: float) -> None:
-        self.handler_s[name] += seconds
-        self.handler_n[name] += 1
-        self.durations[name].append(seconds)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "device": DEVICE.snapshot(),
-            "handler_s": dict(self.handler_s),
-            "handler_n": dict(self.handler_n),
-            "handler_median_ms": {k: 1e3 * statistics.median(v) for k, v in self.durations.items()},
-            # The fast end of each instruction's times: for a receive, its cost when the data is already there.
-            "handler_p10_ms": {k: 1e3 * sorted(v)[len(v) // 10] for k, v in self.durations.items()},
-        }
 
 
-def instrument_engine(engine: Any, probe: Probe, *, meter_forward: bool) -> None:
-    """Time every instruction handler; optionally meter saved activations around forwards.
-
-    DeepSpeed dispatches through ``self._INSTRUCTION_MAP``, so an instance attribute of
-    the same name takes precedence without touching the class.
-    """
-    if meter_forward:
-        probe.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in engine.module.parameters()})
-    wrapped = {}
-    for cls, fn in type(engine)._INSTRUCTION_MAP.items():
-        wrapped[cls] = _timed(fn, cls.__name__, probe, meter_forward and cls.__name__ == "ForwardPass")
-    engine._INSTRUCTION_MAP = wrapped
 
 
-def _timed(fn: Callable[..., Any], name: str, probe: Probe, meter: bool) -> Callable[..., Any]:
-    def handler(self: Any, *a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            if meter:
-                with probe.meter.recording():  # type: ignore[union-attr]
-                    return fn(self, *a, **kw)
-            return fn(self, *a, **kw)
-        finally:
-            probe.record(name, time.perf_counter() - t0)
-
-    return handler
 
 
 # ---- systems ---------------------------------------------------------------------------------
@@ -376,63 +319,8 @@ def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: in
     return out
 
 
-def hop_latency(rank: int, numel: int, iters: int = 200) -> dict[str, float]:
-    """One-way latency of a small message between pipeline ranks 0 and 1 (ping-pong / 2).
-
-    ``ds_vshape_p2p`` is the engine's own path within a step: shapes sent with the first
-    transfer only, each receive posted before the send it follows in the pair order, isend, wait.
-    """
-    res: dict[str, float] = {}
-    buf = torch.zeros(numel)
-    for name in ("gloo_send_recv", "ds_vshape_p2p"):
-        dist.barrier()
-        times = []
-        if rank in (0, 1):
-            times = _ping_pong(name, rank, buf, iters)
-        if rank == 0:
-            res[name + "_s"] = statistics.median(times[iters // 10 :]) / 2
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        dist.barrier()
-    res["barrier_s"] = (time.perf_counter() - t0) / 50
-    got = [res]
-    dist.broadcast_object_list(got, src=0)
-    return got[0]
 
 
-def _ping_pong(name: str, rank: int, buf: torch.Tensor, iters: int) -> list[float]:
-    peer = 1 - rank
-    times = []
-    if name == "gloo_send_recv":
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            dist.send(buf, peer) if rank == 0 else dist.recv(buf, peer)
-            dist.recv(buf, peer) if rank == 0 else dist.send(buf, peer)
-            times.append(time.perf_counter() - t0)
-        return times
-    world = list(range(dist.get_world_size()))
-    groups = pair_groups([world], [(a, a + 1) for a in world[:-1]], rank)
-    p2p = P2P(global_rank_of=world, groups=groups, device=torch.device("cpu"), timeout_s=60, my_rank=rank)
-    # Rank 1 receives activations into stage 1; rank 0 receives gradients into stage 0.
-    p2p.start_step()
-    if rank == 1:
-        p2p.post(Recv(ACT, 1, 0, 0, peer, True))
-    for i in range(iters):
-        t0 = time.perf_counter()
-        if rank == 0:
-            p2p.send(ACT, (buf,), stage=1, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
-            grad = Recv(GRAD, 0, i, 0, peer, i == 0)
-            p2p.post(grad)
-            p2p.recv(grad)
-        else:
-            p2p.recv(Recv(ACT, 1, i, 0, peer, i == 0))
-            p2p.send(GRAD, (buf,), stage=0, micro_batch=i, seq_chunk=0, peer=peer, header=i == 0)
-            if i + 1 < iters:  # the pair order: the next activation comes after this gradient
-                p2p.post(Recv(ACT, 1, i + 1, 0, peer, False))
-        times.append(time.perf_counter() - t0)
-    p2p.drain()
-    return times
 
 
 def main(argv: list[str] | None = None) -> None:

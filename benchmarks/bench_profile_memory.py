@@ -43,7 +43,7 @@ import deepspeed  # noqa: E402
 import ds_vshape  # noqa: E402
 from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
-from ds_vshape.runtime import instructions as ins  # noqa: E402
+from ds_vshape.runtime.program import instructions as ins  # noqa: E402
 from ds_vshape.schedules.auto import peak_bytes  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, batches, load_tokens, tokenizer_for  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402

@@ -35,7 +35,8 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import DS_VSHAPE_SCHEDULES, Probe, instrument_engine  # noqa: E402
+from benchmarks.bench_emulated import DS_VSHAPE_SCHEDULES  # noqa: E402
+from benchmarks.probe import Probe, instrument_engine  # noqa: E402
 from benchmarks.emulated import metered_loss  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
 from recipes.train_hf import DEFAULT_DATA, ByteTokenizer, batches, load_tokens, preset_config, seed_layer  # noqa: E402

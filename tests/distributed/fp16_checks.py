@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ds_vshape
-from ds_vshape.runtime import precision
+from ds_vshape.runtime.step_end import precision
 
 from .worker import _build, _config, _data
 

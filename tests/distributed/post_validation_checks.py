@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ds_vshape
-from ds_vshape.runtime import post_validation as pv
+from ds_vshape.runtime.step_end import post_validation as pv
 
 from .worker import _build, _config, _data, _device, _param_diff, _reference
 

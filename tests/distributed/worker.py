@@ -431,7 +431,7 @@ def _trace_b_w(engine: Any) -> list[list[Any]]:
     """Test-only instrumentation: around each B and W handler, how many of the stage's trainable
     parameters had their ``.grad`` changed, and how many of them are cheap (at most one
     dimension). Split backward must leave all but the cheap ones to W."""
-    from ds_vshape.runtime import instructions as ins
+    from ds_vshape.runtime.program import instructions as ins
 
     events: list[list[Any]] = []
     table = dict(engine._INSTRUCTION_MAP)
