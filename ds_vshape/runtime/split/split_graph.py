@@ -11,7 +11,11 @@ their inputs go:
   its output is parameter-like for the routing, so the GEMM consuming it takes the fast path
   and sends it nothing in B. (A tensor input that needs no gradient may be the activation, a
   first stage's input, so a Function that has one is split, not derived: a quantizer taking
-  constant scales thus leaves the weight gradient of the GEMM it feeds in B, exact.) Its B then does nothing but keep the node's saved tensors; its
+  constant scales thus leaves the weight gradient of the GEMM it feeds in B, exact.) The same
+  holds along the chain behind an input: a node with an input without gradient, or one of
+  ds_vshape's own split nodes (a parameter met an activation there), yields an activation,
+  so ``fc(data)`` on a first stage is never taken for parameter-only (W would backward through
+  the GEMM node B freed). Its B then does nothing but keep the node's saved tensors; its
   backward runs when W pushes the weight gradient through it.
 * split (an activation and a parameter meet in it): B runs the Function's backward with the
   deferred parameters' ``needs_input_grad`` off; W runs it again with only theirs on and adds
@@ -122,7 +126,12 @@ def _tensors_in(out: Any) -> list[torch.Tensor]:
 
 
 def _is_custom(fn: Node | None) -> bool:
-    return isinstance(fn, BackwardCFunction) and not getattr(fn._forward_cls, "_ds_vshape_internal", False)
+    return isinstance(fn, BackwardCFunction) and not _is_internal(fn)
+
+
+def _is_internal(fn: Node) -> bool:
+    """One of ds_vshape's own Functions (``split_ops``): split by itself, never taken over."""
+    return isinstance(fn, BackwardCFunction) and getattr(fn._forward_cls, "_ds_vshape_internal", False)
 
 
 def _classify(store: GraphStore, fn: BackwardCFunction) -> _Info:
@@ -170,9 +179,16 @@ def _edge_kind(store: GraphStore, node: Node, depth: int) -> str:
     if _is_custom(node):
         info = _classify(store, node)
         return (CHEAP if info.cheap else PARAM) if info.kind == "derived" else ACT
-    if depth >= _MAX_CHAIN:
+    if depth >= _MAX_CHAIN or _is_internal(node):
+        # ds_vshape's own nodes exist only where the routing saw a parameter meet something else:
+        # their output is an activation, and B frees them (W must never backward through them).
         return ACT
-    kinds = [_edge_kind(store, n, depth + 1) for n, _ in node.next_functions if n is not None]
+    edges = node.next_functions
+    if any(n is None for n, _ in edges):
+        # A float input without gradient: a first stage's data or a constant, an activation to the
+        # routing. Looking past it would make the node parameter-only (B would free it, W re-enter it).
+        return ACT
+    kinds = [_edge_kind(store, n, depth + 1) for n, _ in edges]
     if not kinds or ACT in kinds:
         return ACT
     return CHEAP if all(k == CHEAP for k in kinds) else PARAM
