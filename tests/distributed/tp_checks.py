@@ -149,15 +149,13 @@ def _tp_groups(topo: PipeModelDataParallelTopology) -> Any:
 
 
 def _layer_counts(case: dict[str, Any]) -> tuple[int, int]:
-    """(replicated input layers, tensor-parallel blocks): two layers per model stage.
-
-    Under a split-backward schedule the first stage holds only the input layers: split
-    backward fails on a first stage (whose input needs no gradient) with a custom Function
-    behind a residual (tests/unit/test_split_first_stage.py, xfail, a split_graph bug)."""
+    """(replicated input layers, tensor-parallel blocks): two layers per model stage, the first
+    stage holding one input layer and a tensor-parallel block, as Megatron's stage 0 does
+    (split backward on such a stage: tests/unit/test_split_first_stage.py)."""
     name = case.get("layers_of", case["schedule"])  # a checkpoint case keeps the saving schedule's layer list
     schedule = parse_pipeline_config({"pipeline": {"schedule": name}}).make_schedule(case["p"], case["m"])
     total = 2 * schedule.num_model_stages
-    plain = 2 if schedule.uses_split_backward else 1
+    plain = 1
     return plain, total - plain
 
 
