@@ -27,6 +27,7 @@ from .runtime.device import bind_local_device
 from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
+from .runtime.offload import check_offload_config
 from .runtime.seq_chunks import check_module as check_seq_chunk_module
 from .runtime.post_validation import check_post_validation_config
 from .runtime.zero import check_zero_config
@@ -73,7 +74,7 @@ def initialize(
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
         p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
-        speculate_after=vs.speculate_after, **auto,
+        speculate_after=vs.speculate_after, offload=vs.offload, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -142,6 +143,7 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         raise ConfigError(str(err)) from None
     try:
         check_post_validation_config(config, enabled=vs.post_validation)
+        check_offload_config(config, share=vs.offload)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence

@@ -91,6 +91,15 @@ class PipelineConfig(BaseModel):
         "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
     )
 
+    offload: float = Field(
+        0.0, ge=0, le=1,
+        description="Share of each rank's activation memory moved to host memory between a unit's forward and its "
+        "backward (PipeOffload; 0: off). Whole model stages go first, the longest-lived first (with V placement the "
+        "first chunk); copies run on their own streams and a unit comes back during the pass before its backward. "
+        "Exact. Stays on the device: a stage's inputs and outputs, later sequence chunks' keys/values, and what split "
+        "backward keeps from B to W.",
+    )
+
     def make_schedule(self, stages: int, micro_batches: int, *, check: bool = True) -> Schedule:
         """The schedule this config asks for, for p pipeline ranks and m micro-batches."""
         if self.schedule is None:
@@ -137,6 +146,7 @@ class PipelineConfig(BaseModel):
             extra = [k for k in ("chunks", "seq_chunks", "memory_limit", *AUTO_KEYS) if getattr(self, k) is not None]
             extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
             extra += ["post_validation"] if self.post_validation else []
+            extra += ["offload"] if self.offload else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self

@@ -269,7 +269,9 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     diffs = {name: (mine.detach() - theirs.detach()).abs().max().item() for name, mine, theirs in twins}
     worst = max(diffs, key=diffs.__getitem__, default=None)
     result = {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs.get(worst, 0.0), "worst_param": worst,
-              "params_compared": len(twins)}
+              "params_compared": len(twins), "peak_activation_bytes": engine.peak_activation_bytes,
+              "peak_host_activation_bytes": engine.peak_host_activation_bytes,
+              "offloaded_units": engine._offload.offloaded_units}
     if case.get("eval"):  # forward-only, whole micro-batches, after chunked training
         result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
         with torch.no_grad():
