@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.utils import logger
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.auto import AutoEngine
@@ -27,7 +28,7 @@ from .runtime.device import bind_local_device
 from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
-from .runtime.offload import check_offload_config
+from .runtime.offload import check_offload_config, offload_notes
 from .runtime.seq_chunks import check_module as check_seq_chunk_module
 from .runtime.post_validation import check_post_validation_config
 from .runtime.zero import check_zero_config
@@ -62,6 +63,10 @@ def initialize(
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
         release_stock_layers(model, module)  # after the groups and optimizer were mapped from it
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
+    if ds_dist.get_rank() == 0:
+        for note in offload_notes(vs.offload, checkpoint_interval=module.activation_checkpoint_interval,
+                                  split_backward=schedule.uses_split_backward):
+            logger.warning(note)
     # The schedule is made here, once; the engine gets it, and the same generator for batch
     # ramp-up, but never the config itself.
     auto = {}

@@ -36,7 +36,7 @@ from ..schedules.lowering import OpKind
 from ..schedules.offload import Unit, check_share, offload_plan
 from .memory import ActivationMeter
 
-__all__ = ["HostPool", "Offloader", "check_offload_config", "MIN_BYTES"]
+__all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
 
 MIN_BYTES = 4096  # smaller saved tensors are not worth a copy (about 1k fp32 elements, as the reference does)
 _KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
@@ -48,6 +48,21 @@ def check_offload_config(config: dict[str, Any], *, share: float) -> None:
     if share > 0 and (config.get("activation_checkpointing") or {}).get("cpu_checkpointing"):
         raise ValueError("pipeline.offload cannot run with activation_checkpointing.cpu_checkpointing: both move the "
                          "checkpointed activations to host memory, DeepSpeed without overlap; set one of them off")
+
+
+def offload_notes(share: float, *, checkpoint_interval: int, split_backward: bool) -> list[str]:
+    """What offload leaves on the device in this setup, worded for the log."""
+    if share <= 0:
+        return []
+    notes = []
+    if split_backward:
+        notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
+                     "gradients) stays on the device; only the saved activations up to B are offloaded")
+    if checkpoint_interval > 0:
+        notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
+                     "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
+                     "the device, only layers outside checkpointed blocks are offloaded")
+    return notes
 
 
 class HostPool:

@@ -366,7 +366,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     trace = _trace_b_w(engine) if case.get("bw_trace") else None
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None),
-                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace}
+                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace,
+                              "peak_host_activation_bytes": getattr(engine, "peak_host_activation_bytes", None),
+                              "offloaded_units": engine._offload.offloaded_units if hasattr(engine, "_offload") else None}
     result["device_max_allocated_bytes"] = _device_peak()
     result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)

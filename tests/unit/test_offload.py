@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.offload import HostPool, Offloader, check_offload_config
+from ds_vshape.runtime.offload import HostPool, Offloader, check_offload_config, offload_notes
 from ds_vshape.schedules import Kind, Schedule, generate
 from ds_vshape.schedules.lowering import OpKind, lower
 from ds_vshape.schedules.offload import lifespans, offload_plan, offload_units, reload_points
@@ -175,3 +175,10 @@ def test_pool_waits_for_nothing_on_the_cpu() -> None:
     pool.give(a)
     assert pool.take(64) is a and pool.allocated_bytes == 64
     assert pool.take(64) is not a and pool.allocated_bytes == 128
+
+
+def test_notes_say_what_stays_on_the_device() -> None:
+    assert offload_notes(0.0, checkpoint_interval=1, split_backward=True) == []
+    notes = offload_notes(0.5, checkpoint_interval=2, split_backward=True)
+    assert "from B to W" in notes[0] and "activation_checkpoint_interval=2" in notes[1]
+    assert offload_notes(0.5, checkpoint_interval=0, split_backward=False) == []

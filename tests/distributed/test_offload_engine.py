@@ -1,0 +1,106 @@
+"""Activation offload (``pipeline.offload``) in the engine: exact training, device bytes moved to host.
+
+One 2-rank and one 4-rank launch of the tiny transformers Llama (worker.run_hf_case): every
+case trains two steps with clipping and compares losses and every parameter with the model's
+own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with sequence chunks,
+reentrant and non-reentrant activation checkpointing and ZeRO-2, a no-offload twin of the
+V-Half case for the memory comparison, and the refusal of DeepSpeed's cpu_checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .launch import launch
+from .test_engine import _assert_parity, _by_case
+
+pytestmark = pytest.mark.distributed
+SCHEDULES = ("1f1b", "zb-h1", "v-zb", "v-half")
+BASE = {"hf": "llama", "seq": True, "steps": 2, "m": 4}
+
+
+def _case(name: str, schedule: str, p: int, share: float, **extra: Any) -> dict[str, Any]:
+    pipeline = {"schedule": schedule, "offload": share, "measure_memory": True, **extra.pop("pipeline", {})}
+    return {"name": name, **BASE, "schedule": schedule, "pipeline": pipeline, "p": p, **extra}
+
+
+def _cases_p2() -> list[dict[str, Any]]:
+    # Linear schedules offload every unit they can (share 1); V schedules their first chunk (0.5).
+    cases = [_case(f"p2-{s}", s, 2, 0.5 if s.startswith("v-") else 1.0) for s in SCHEDULES]
+    return cases + [
+        _case("p2-v-half-none", "v-half", 2, 0.0),
+        # DeepSpeed's checkpoint keeps each block's inputs itself, out of the hooks' sight: offload
+        # leaves them and stays exact (worker's plain blocks, 128 rows so tensors pass MIN_BYTES).
+        {"name": "p2-zb-h1-ckpt", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1, "layerspec": True, "rows": [128],
+         "pipeline": {"offload": 1.0, "measure_memory": True}},
+        _case("p2-v-half-zero2", "v-half", 2, 0.5, zero=2),
+        _case("p2-refuse-cpu-ckpt", "1f1b", 2, 0.5, extra_config={"activation_checkpointing": {"cpu_checkpointing": True}}),
+        # Last (a failure here times out a receive): GPT-2, learned positions and a tied head, in
+        # sequence chunks; the chunks' K/V buffers stay on the device, the rest goes.
+        _case("p2-v-half-k2", "v-half", 2, 1.0, hf="gpt2", pipeline={"seq_chunks": 2}),
+    ]
+
+
+def _cases_p4() -> list[dict[str, Any]]:
+    # Six blocks, so that the V schedules' 8 stages all get a layer; SDPA attention.
+    return [_case(f"p4-{s}", s, 4, 0.5 if s.startswith("v-") else 1.0, blocks=6, attn="sdpa") for s in SCHEDULES]
+
+
+@pytest.fixture(scope="module")
+def results_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("offload_p2")))
+
+
+@pytest.fixture(scope="module")
+def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("offload_p4")))
+
+
+def _check_offloaded(name: str, ranks: list[dict[str, Any]], *, idle: tuple[int, ...]) -> None:
+    """Exact training, and activations moved to host on every rank but those in ``idle``."""
+    _assert_parity(name, ranks)
+    for rank, res in enumerate(ranks):
+        assert res["params_compared"] > 0, f"{name} rank {rank}: no parameter compared"
+    moved = [res["offloaded_units"] > 0 and res["peak_host_activation_bytes"] > 0 for res in ranks]
+    assert moved == [r not in idle for r in range(len(ranks))], f"{name}: units offloaded per rank {moved}"
+
+
+def _idle(name: str, p: int) -> tuple[int, ...]:
+    """Linear placement: the last rank's backward follows each forward at once, nothing to hide a copy
+    behind. V at p=4: rank 0's first chunk is the embedding alone, which saves only token ids."""
+    if not name.startswith(f"p{p}-v-"):
+        return (p - 1,)
+    return (0,) if p == 4 else ()
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _cases_p2() if "refuse" not in c["name"] and "none" not in c["name"]
+                                  and "ckpt" not in c["name"]])
+def test_offload_trains_exactly_p2(results_p2: dict, case: str) -> None:
+    _check_offloaded(case, results_p2[case], idle=_idle(case, 2))
+
+
+def test_offload_with_activation_checkpointing_is_exact(results_p2: dict) -> None:
+    _assert_parity("p2-zb-h1-ckpt", results_p2["p2-zb-h1-ckpt"])
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _cases_p4()])
+def test_offload_trains_exactly_p4(results_p4: dict, case: str) -> None:
+    _check_offloaded(case, results_p4[case], idle=_idle(case, 4))
+
+
+def test_offload_moves_device_bytes_to_host(results_p2: dict) -> None:
+    """V-Half with its first chunk offloaded holds less on the device on every rank, and the same losses."""
+    offloaded, plain = results_p2["p2-v-half"], results_p2["p2-v-half-none"]
+    _assert_parity("p2-v-half-none", plain)
+    for rank, (mine, theirs) in enumerate(zip(offloaded, plain)):
+        assert mine["losses"] == theirs["losses"], f"rank {rank}: offload changed the losses"
+        assert mine["peak_activation_bytes"] < theirs["peak_activation_bytes"], (rank, mine, theirs)
+        assert theirs["peak_host_activation_bytes"] == 0
+
+
+def test_cpu_checkpointing_with_offload_is_refused(results_p2: dict) -> None:
+    for res in results_p2["p2-refuse-cpu-ckpt"]:
+        assert "cpu_checkpointing" in res.get("error", ""), res
+        assert "pipeline.offload" in res["error"]
