@@ -30,6 +30,7 @@ from .runtime.profile import profiled_cut
 from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
 from .runtime.offload import check_offload_config, offload_notes
 from .runtime.seq_chunks import check_module as check_seq_chunk_module
+from .runtime.seq_chunks import partition_dims
 from .runtime.post_validation import check_post_validation_config
 from .runtime.zero import check_zero_config
 from .schedules import Schedule, get_info
@@ -79,7 +80,8 @@ def initialize(
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
         p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
-        speculate_after=vs.speculate_after, offload=vs.offload, **auto,
+        speculate_after=vs.speculate_after, offload=vs.offload, seq_partition=vs.seq_partition,
+        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -154,6 +156,8 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence
         try:
             check_seq_chunk_module(model, schedule.seq_chunks, info.name)
+            if vs.seq_partition == "compute":
+                partition_dims(model)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if len(model._layer_specs) < schedule.num_model_stages:

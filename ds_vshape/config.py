@@ -37,6 +37,10 @@ class PipelineConfig(BaseModel):
                                  "fastest of auto_placement's schedules within memory_limit); absent means stock DeepSpeed 1F1B.")
     chunks: int | None = Field(None, ge=1, description="Model stages per rank for interleaved / breadth-first (V schedules always use 2).")
     seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k > 1 only for models built with ds_vshape.hf.pipeline_layers (sequence length a multiple of k, no activation checkpointing).")
+    seq_partition: Literal["equal", "compute"] = Field(
+        "equal", description="Where sequence chunks are cut (seq_chunks > 1): 'equal' lengths, or 'compute' so that every "
+        "chunk has the same causal cost (attention over a longer prefix makes later chunks shorter; from the model's "
+        "hidden size, heads and FFN width; any sequence length). 'compute' sends shapes with every transfer.")
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto, auto).")
     memory_limit_bytes: float | None = Field(
         None, gt=0, description="auto only: activation memory limit per rank in bytes, against the measured bytes per pass "
@@ -144,6 +148,7 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"pipeline.{key} applies only with pipeline.partition_method 'profile'; set that or remove it")
         if self.schedule is None:
             extra = [k for k in ("chunks", "seq_chunks", "memory_limit", *AUTO_KEYS) if getattr(self, k) is not None]
+            extra += ["seq_partition"] if self.seq_partition != "equal" else []
             extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
             extra += ["post_validation"] if self.post_validation else []
             extra += ["offload"] if self.offload else []
@@ -157,6 +162,9 @@ class PipelineConfig(BaseModel):
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
             raise ValueError(f"pipeline.seq_chunks applies only to the schedules that cut sequences (`ds-vshape list` shows --seq-chunks), not {self.schedule!r}; remove it or pick one of those")
+        if self.seq_partition != "equal" and (self.seq_chunks or info.default_seq_chunks) == 1:
+            raise ValueError(f"pipeline.seq_partition {self.seq_partition!r} applies only with sequence chunks, and "
+                             f"{self.schedule!r} runs whole sequences here; set pipeline.seq_chunks > 1 or remove seq_partition")
         if self.memory_limit is not None and not info.memory_limit and self.schedule != "auto":
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self

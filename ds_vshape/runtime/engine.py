@@ -46,13 +46,15 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
                  measure_memory: bool = False, post_validation: bool = False, speculate_after: int | None = None,
-                 offload: float = 0.0, **kwargs: Any) -> None:
+                 offload: float = 0.0, seq_partition: str = "equal", seq_dims: dict[str, int] | None = None,
+                 **kwargs: Any) -> None:
         """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
         ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
         information and check the global norm later, and after ``speculate_after`` steps
         that stood, start the next step before the check arrives (``runtime/post_validation.py``);
-        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload.py``)."""
+        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload.py``);
+        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/seq_chunks.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -77,11 +79,11 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self.peak_host_activation_bytes: int | None = None  # offloaded to host memory, same steps
         self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
         self.peak_inflight_bytes = 0
+        self._seq = SeqChunks(self.stage_id, partition=seq_partition, dims=seq_dims)
         self._p2p = self._make_p2p(p2p_timeout_s)
         self._zero_reducer = self._stage_grad_reducer()
         self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
-        self._seq = SeqChunks(self.stage_id)
         self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id)
         self._reset_step_state()
 
@@ -91,7 +93,8 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         groups = pair_groups(pipelines, neighbour_pairs(self._vs_placement), dist.get_rank())
         return P2P(
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)], groups=groups,
-            device=self.device, timeout_s=timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
+            device=self.device, timeout_s=timeout_s, my_rank=self.stage_id,
+            dynamic_shape=bool(self.dynamic_shape) or self._seq.unequal,  # unequal chunks: shapes with every transfer
             stream_waits=dist.get_backend() == "nccl",
         )
 

@@ -1,10 +1,13 @@
-"""Activation offload (``pipeline.offload``) in the engine: exact training, device bytes moved to host.
+"""Activation offload (``pipeline.offload``) and compute-wise sequence chunks
+(``pipeline.seq_partition: compute``) in the engine: exact training.
 
 One 2-rank and one 4-rank launch of the tiny transformers Llama (worker.run_hf_case): every
 case trains two steps with clipping and compares losses and every parameter with the model's
-own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with sequence chunks,
-reentrant and non-reentrant activation checkpointing and ZeRO-2, a no-offload twin of the
-V-Half case for the memory comparison, and the refusal of DeepSpeed's cpu_checkpointing.
+own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with activation
+checkpointing and ZeRO-2, a no-offload twin of the V-Half case for the memory comparison, and
+the refusal of DeepSpeed's cpu_checkpointing. The sequence-chunk cases come last in each launch
+(a failing chunked case times out a receive): 32- or 48-token sequences (31: any length), where the
+causal cost makes the compute-wise chunks unequal, for seq1f1b and v-half, one with offload.
 """
 
 from __future__ import annotations
@@ -37,15 +40,26 @@ def _cases_p2() -> list[dict[str, Any]]:
          "pipeline": {"offload": 1.0, "measure_memory": True}},
         _case("p2-v-half-zero2", "v-half", 2, 0.5, zero=2),
         _case("p2-refuse-cpu-ckpt", "1f1b", 2, 0.5, extra_config={"activation_checkpointing": {"cpu_checkpointing": True}}),
-        # Last (a failure here times out a receive): GPT-2, learned positions and a tied head, in
-        # sequence chunks; the chunks' K/V buffers stay on the device, the rest goes.
-        _case("p2-v-half-k2", "v-half", 2, 1.0, hf="gpt2", pipeline={"seq_chunks": 2}),
+        *_chunked_p2(),
     ]
 
 
+def _chunked_p2() -> list[dict[str, Any]]:
+    # GPT-2 (learned positions, tied head) with offload: the chunks' K/V buffers stay on the device.
+    return [_case("p2-seq1f1b-compute", "seq1f1b", 2, 0.0, seq_len=31, pipeline={"seq_partition": "compute"}),
+            _case("p2-v-half-k3-compute-offload", "v-half", 2, 1.0, hf="gpt2", seq_len=32,
+                  pipeline={"seq_chunks": 3, "seq_partition": "compute"})]
+
+
 def _cases_p4() -> list[dict[str, Any]]:
-    # Six blocks, so that the V schedules' 8 stages all get a layer; SDPA attention.
-    return [_case(f"p4-{s}", s, 4, 0.5 if s.startswith("v-") else 1.0, blocks=6, attn="sdpa") for s in SCHEDULES]
+    # Six blocks, so that the V schedules' 8 stages all get a layer; SDPA attention. Middle stages
+    # of the chunked cases size their K/V buffers from chunk 0's length.
+    return [_case(f"p4-{s}", s, 4, 0.5 if s.startswith("v-") else 1.0, blocks=6, attn="sdpa") for s in SCHEDULES] + [
+        _case("p4-v-half-k4-compute", "v-half", 4, 0.0, blocks=6, attn="sdpa", seq_len=32,
+              pipeline={"seq_chunks": 4, "seq_partition": "compute"}),
+        _case("p4-seq1f1b-k4-compute", "seq1f1b", 4, 0.0, hf="gpt2", blocks=6, seq_len=48,
+              pipeline={"seq_chunks": 4, "seq_partition": "compute"}),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +90,7 @@ def _idle(name: str, p: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases_p2() if "refuse" not in c["name"] and "none" not in c["name"]
-                                  and "ckpt" not in c["name"]])
+                                  and "ckpt" not in c["name"] and "compute" not in c["name"]])
 def test_offload_trains_exactly_p2(results_p2: dict, case: str) -> None:
     _check_offloaded(case, results_p2[case], idle=_idle(case, 2))
 
@@ -85,9 +99,20 @@ def test_offload_with_activation_checkpointing_is_exact(results_p2: dict) -> Non
     _assert_parity("p2-zb-h1-ckpt", results_p2["p2-zb-h1-ckpt"])
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _cases_p4()])
+@pytest.mark.parametrize("case", [c["name"] for c in _cases_p4() if "compute" not in c["name"]])
 def test_offload_trains_exactly_p4(results_p4: dict, case: str) -> None:
     _check_offloaded(case, results_p4[case], idle=_idle(case, 4))
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _chunked_p2() + _cases_p4() if "compute" in c["name"]])
+def test_compute_partition_trains_exactly(results_p2: dict, results_p4: dict, case: str) -> None:
+    ranks = (results_p4 if case.startswith("p4-") else results_p2)[case]
+    _assert_parity(case, ranks)
+    cuts = [c for res in ranks for c in res["seq_cuts"]]
+    lengths = {tuple(b - a for a, b in zip(c, c[1:])) for c in cuts}
+    assert lengths and all(len(set(ls)) > 1 and list(ls) == sorted(ls, reverse=True) for ls in lengths), (case, lengths)
+    if "offload" in case:
+        _check_offloaded(case, ranks, idle=())
 
 
 def test_offload_moves_device_bytes_to_host(results_p2: dict) -> None:

@@ -256,7 +256,7 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     data = []
     for _ in range(steps * m):
-        ids = torch.randint(0, 96, (2, 16), generator=g)
+        ids = torch.randint(0, 96, (2, case.get("seq_len", 16)), generator=g)
         labels = ids.clone()
         labels[:, :3] = -100  # ignore-index honoured
         if case.get("seq"):
@@ -271,7 +271,7 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     result = {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs.get(worst, 0.0), "worst_param": worst,
               "params_compared": len(twins), "peak_activation_bytes": engine.peak_activation_bytes,
               "peak_host_activation_bytes": engine.peak_host_activation_bytes,
-              "offloaded_units": engine._offload.offloaded_units}
+              "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()]}
     if case.get("eval"):  # forward-only, whole micro-batches, after chunked training
         result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
         with torch.no_grad():
