@@ -101,7 +101,7 @@ class PipelineConfig(BaseModel):
         "backward (PipeOffload; 0: off). Whole model stages go first, the longest-lived first (with V placement the "
         "first chunk); copies run on their own streams and a unit comes back during the pass before its backward. "
         "Exact. Stays on the device: a stage's inputs and outputs, later sequence chunks' keys/values, and what split "
-        "backward keeps from B to W.",
+        "backward keeps from B to W. With schedule 'auto' and a memory limit, unset lets auto pick a share.",
     )
 
     def make_schedule(self, stages: int, micro_batches: int, *, check: bool = True) -> Schedule:
@@ -137,7 +137,8 @@ class PipelineConfig(BaseModel):
         return AutoSettings(placement=self.auto_placement or "v", warmup_steps=self.auto_warmup_steps or 2,
                             names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
-                            w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit)
+                            w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit,
+                            offload=self.offload if "offload" in self.model_fields_set else None)
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:

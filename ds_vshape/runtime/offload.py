@@ -127,7 +127,7 @@ class Offloader:
         self._meter, self._device, self._rank, self._min_bytes = meter, device, rank, min_bytes
         self._cuda = device.type == "cuda"
         self._pool = HostPool(pin=self._cuda)
-        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self._cuda and share > 0 else None
+        self._streams: tuple[Any, Any] | None = None  # device-to-host, host-to-device (CUDA, made on first use)
         self._plan_of: tuple[int, Any] | None = None  # (id of the schedule, its plan and pass order)
         self._units: frozenset[Unit] = frozenset()
         self._reload_at: dict[int, tuple[Unit, ...]] = {}
@@ -144,6 +144,11 @@ class Offloader:
     def units(self) -> frozenset[Unit]:
         return self._units
 
+    def set_share(self, share: float) -> None:
+        """Offload another share from the next step on (``schedule: auto``'s choice)."""
+        self.share = check_share(share)
+        self._plan_of = None
+
     # ---- step framing -----------------------------------------------------------------------------
     def start_step(self, schedule: Schedule, ops: Sequence[Any], *, train: bool) -> None:
         """The plan for this step's schedule (made once per schedule) and its pass order."""
@@ -151,6 +156,8 @@ class Offloader:
         if not train or self.share <= 0:
             self._units, self._reload_at, self._passes = frozenset(), {}, []
             return
+        if self._cuda and self._streams is None:
+            self._streams = (torch.cuda.Stream(self._device), torch.cuda.Stream(self._device))
         if self._plan_of is None or self._plan_of[0] != id(schedule):
             passes = [(_KIND[op.kind], (op.stage, op.micro_batch, op.seq_chunk)) for op in ops if op.kind in _KIND]
             actions = [Action(kind, *unit) for kind, unit in passes]
