@@ -39,6 +39,9 @@ def _cases_p2() -> list[dict[str, Any]]:
         {"name": "p2-zb-h1-ckpt", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1, "layerspec": True, "rows": [128],
          "pipeline": {"offload": 1.0, "measure_memory": True}},
         _case("p2-v-half-zero2", "v-half", 2, 0.5, zero=2),
+        # auto, one candidate, a limit nothing meets: it runs the share with the least memory, from step 3 on.
+        {"name": "p2-auto", **BASE, "steps": 4, "p": 2, "schedule": "auto",
+         "pipeline": {"schedule": "auto", "auto_candidates": ["v-zb"], "memory_limit_bytes": 1.0, "measure_memory": True}},
         _case("p2-refuse-cpu-ckpt", "1f1b", 2, 0.5, extra_config={"activation_checkpointing": {"cpu_checkpointing": True}}),
         *_chunked_p2(),
     ]
@@ -90,7 +93,7 @@ def _idle(name: str, p: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases_p2() if "refuse" not in c["name"] and "none" not in c["name"]
-                                  and "ckpt" not in c["name"] and "compute" not in c["name"]])
+                                  and "ckpt" not in c["name"] and "compute" not in c["name"] and "auto" not in c["name"]])
 def test_offload_trains_exactly_p2(results_p2: dict, case: str) -> None:
     _check_offloaded(case, results_p2[case], idle=_idle(case, 2))
 
@@ -129,3 +132,11 @@ def test_cpu_checkpointing_with_offload_is_refused(results_p2: dict) -> None:
     for res in results_p2["p2-refuse-cpu-ckpt"]:
         assert "cpu_checkpointing" in res.get("error", ""), res
         assert "pipeline.offload" in res["error"]
+
+
+def test_auto_picks_an_offload_share_under_a_memory_limit(results_p2: dict) -> None:
+    """Measured under v-min, then v-zb with the share the simulator gives the least memory, exactly."""
+    ranks = results_p2["p2-auto"]
+    _check_offloaded("p2-auto", ranks, idle=())
+    for res in ranks:
+        assert res["auto"]["name"] == "v-zb" and res["auto"]["offload"] >= 0.5, res["auto"]

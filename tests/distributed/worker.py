@@ -272,6 +272,9 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
               "params_compared": len(twins), "peak_activation_bytes": engine.peak_activation_bytes,
               "peak_host_activation_bytes": engine.peak_host_activation_bytes,
               "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()]}
+    choice = getattr(engine, "auto_choice", None)
+    if choice is not None:
+        result["auto"] = {"name": choice.name, "offload": choice.offload, "table": choice.summary()}
     if case.get("eval"):  # forward-only, whole micro-batches, after chunked training
         result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
         with torch.no_grad():
