@@ -65,7 +65,7 @@ def initialize(
         release_stock_layers(model, module)  # after the groups and optimizer were mapped from it
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
     if ds_dist.get_rank() == 0:
-        for note in offload_notes(vs.offload, checkpoint_interval=module.activation_checkpoint_interval,
+        for note in offload_notes(vs.offload_share, checkpoint_interval=module.activation_checkpoint_interval,
                                   split_backward=schedule.uses_split_backward):
             logger.warning(note)
     # The schedule is made here, once; the engine gets it, and the same generator for batch
@@ -80,7 +80,7 @@ def initialize(
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
         p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
-        speculate_after=vs.speculate_after, offload=vs.offload, seq_partition=vs.seq_partition,
+        speculate_after=vs.speculate_after, offload=vs.offload_share, seq_partition=vs.seq_partition,
         seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None, **auto,
     )
     engine._configure_python_gc()
@@ -150,7 +150,7 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         raise ConfigError(str(err)) from None
     try:
         check_post_validation_config(config, enabled=vs.post_validation)
-        check_offload_config(config, share=vs.offload)
+        check_offload_config(config, share=vs.offload_share)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence

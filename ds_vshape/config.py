@@ -8,7 +8,7 @@ of ours or one DeepSpeed knows; anything else is an error that suggests the clos
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -95,13 +95,14 @@ class PipelineConfig(BaseModel):
         "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
     )
 
-    offload: float = Field(
-        0.0, ge=0, le=1,
+    offload: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
+        0.0,
         description="Share of each rank's activation memory moved to host memory between a unit's forward and its "
         "backward (PipeOffload; 0: off). Whole model stages go first, the longest-lived first (with V placement the "
         "first chunk); copies run on their own streams and a unit comes back during the pass before its backward. "
         "Exact. Stays on the device: a stage's inputs and outputs, later sequence chunks' keys/values, and what split "
-        "backward keeps from B to W. With schedule 'auto' and a memory limit, unset lets auto pick a share.",
+        "backward keeps from B to W. 'auto' (schedule 'auto' only): auto picks a share per candidate under "
+        "memory_limit, from the measured host copy rate.",
     )
 
     def make_schedule(self, stages: int, micro_batches: int, *, check: bool = True) -> Schedule:
@@ -118,6 +119,11 @@ class PipelineConfig(BaseModel):
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
                                   memory_limit=self.memory_limit, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                                   w_memory=self.w_memory)
+
+    @property
+    def offload_share(self) -> float:
+        """The share the engine starts with (auto's measuring steps run without offload under ``"auto"``)."""
+        return 0.0 if self.offload == "auto" else float(self.offload)
 
     @field_validator("schedule")
     @classmethod
@@ -138,7 +144,7 @@ class PipelineConfig(BaseModel):
                             names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
                             w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit,
-                            offload=self.offload if "offload" in self.model_fields_set else None)
+                            offload=None if self.offload == "auto" else self.offload)
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:
@@ -159,6 +165,9 @@ class PipelineConfig(BaseModel):
         check_auto_options(self.schedule, placement=self.auto_placement, warmup_steps=self.auto_warmup_steps,
                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks,
                            memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes)
+        if self.offload == "auto" and self.schedule != "auto":
+            raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
+                             "give a share from 0 to 1")
         info = get_info(self.first_schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:

@@ -278,6 +278,7 @@ class Offloader:
         if slot.host is None or slot.device is not None:
             return
         stream = self._streams[1] if self._streams else None
+        compute = self._current() if stream is not None else None
         # Allocated on the copy stream, so that it waits for no compute work: a block the compute
         # stream freed is not handed to another stream before that stream's work on it is done.
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -288,7 +289,7 @@ class Offloader:
             if stream is not None:
                 slot.h2d = torch.cuda.Event()
                 slot.h2d.record(stream)
-                target.record_stream(self._current())  # freed after backward: not reused before it ran
+                target.record_stream(compute)  # freed after backward: not reused before the backward ran
         slot.device = target.untyped_storage()
         self._pool.give(slot.host, event=slot.h2d)
         slot.host = None

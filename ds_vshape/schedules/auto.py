@@ -11,10 +11,10 @@ entry's ``placement``; the schedule run while measuring is ``SAFE[placement]`` (
 backward where the family has it, so B and W are measured apart; the least memory of its
 family otherwise equal).
 
-Activation offload: with a memory limit, a measured host copy rate and no ``offload`` share
-set, each candidate is also simulated with the shares ``OFFLOAD_SHARES`` (copies timed from
-that rate) and keeps the fastest share that fits (the smaller one on a tie); a set share is
-used as is (``"offload": 0`` keeps auto from offloading).
+Activation offload: with ``"offload": "auto"`` (``AutoSettings.offload`` None), a memory limit
+and a measured host copy rate, each candidate is also simulated with the shares
+``OFFLOAD_SHARES`` (copies timed from that rate) and keeps the fastest share that fits (the
+smaller one on a tie); a share given as a number is used as is.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class AutoSettings:
     zero_stage: int = 0
     warmup_schedule: str | None = None  # what the measuring steps run (measuring_schedule); None: SAFE's
     warmup_limit: float | None = None  # its memory limit in M_B, for a BOUNDED one
-    offload: float | None = None  # the config's offload share; None: auto picks one under a memory limit
+    offload: float | None = 0.0  # the config's offload share; None ("auto"): auto picks one under a memory limit
 
     @property
     def safe(self) -> str:

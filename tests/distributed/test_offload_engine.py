@@ -41,7 +41,8 @@ def _cases_p2() -> list[dict[str, Any]]:
         _case("p2-v-half-zero2", "v-half", 2, 0.5, zero=2),
         # auto, one candidate, a limit nothing meets: it runs the share with the least memory, from step 3 on.
         {"name": "p2-auto", **BASE, "steps": 4, "p": 2, "schedule": "auto",
-         "pipeline": {"schedule": "auto", "auto_candidates": ["v-zb"], "memory_limit_bytes": 1.0, "measure_memory": True}},
+         "pipeline": {"schedule": "auto", "auto_candidates": ["v-zb"], "memory_limit_bytes": 1.0, "offload": "auto",
+                      "measure_memory": True}},
         _case("p2-refuse-cpu-ckpt", "1f1b", 2, 0.5, extra_config={"activation_checkpointing": {"cpu_checkpointing": True}}),
         *_chunked_p2(),
     ]

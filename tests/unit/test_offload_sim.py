@@ -61,19 +61,24 @@ def _measured(copy: float) -> Measured:
 
 
 def test_auto_offloads_under_a_tight_limit_when_copies_are_measured() -> None:
-    settings = AutoSettings(placement="v", memory_limit=1.5)
+    settings = AutoSettings(placement="v", memory_limit=1.5, offload=None)
     choice = pick(settings, _measured(1e-4), stages=4, micro_batches=8)
     assert choice.offload in OFFLOAD_SHARES and choice.offload > 0 and choice.table[0].fits
     assert choice.table[0].peak_bytes <= 1.5 * 100 + 1e-6
     assert pick(settings, _measured(0.0), stages=4, micro_batches=8).offload == 0  # no copy rate: no offload
     fixed = pick(dataclasses.replace(settings, offload=0.25), _measured(1e-4), stages=4, micro_batches=8)
     assert {c.offload for c in fixed.table} == {0.25}
-    assert pick(AutoSettings(placement="v"), _measured(1e-4), stages=4, micro_batches=8).offload == 0  # no limit
+    assert pick(AutoSettings(placement="v", offload=None), _measured(1e-4), stages=4, micro_batches=8).offload == 0  # no limit
+    assert pick(AutoSettings(placement="v", memory_limit=1.5), _measured(1e-4), stages=4, micro_batches=8).offload == 0
 
 
-def test_auto_reads_offload_only_when_set() -> None:
+def test_auto_picks_offload_only_when_asked() -> None:
     def settings(block: dict) -> AutoSettings:
         return parse_pipeline_config({"pipeline": {"schedule": "auto", **block}}).auto_settings(
             zero_stage=0, stages=4, micro_batches=8)
-    assert settings({"memory_limit": 2}).offload is None
-    assert settings({"memory_limit": 2, "offload": 0}).offload == 0.0
+    assert settings({"memory_limit": 2}).offload == 0.0
+    assert settings({"memory_limit": 2, "offload": "auto"}).offload is None
+    assert settings({"memory_limit": 2, "offload": 0.5}).offload == 0.5
+    assert parse_pipeline_config({"pipeline": {"schedule": "auto", "offload": "auto"}}).offload_share == 0.0
+    with pytest.raises(ValueError, match="offload 'auto' applies only with"):
+        parse_pipeline_config({"pipeline": {"schedule": "v-half", "offload": "auto"}})
