@@ -4,6 +4,7 @@ Launched under torchrun with p ranks (pure pipeline, gloo, CPU)::
 
     python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_offload.py \\
         --out benchmarks/results/raw/offload.jsonl --md benchmarks/results/offload.md
+    python benchmarks/bench_offload.py --report benchmarks/results/raw/offload.jsonl --md benchmarks/results/offload.md
 
 The model and configs are the recipe's (``recipes/train_hf.py``'s ``build_module``: hidden 64,
 8 decoder blocks, 4 heads, sequence 64; ``ds_configs/<schedule>.json``: 4 rows x 8 micro-batches,
@@ -43,14 +44,15 @@ from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, batches, load_tokens, tokenizer_for  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
-# (schedule, offload share): the baseline, V-Half alone, V-Half with its first chunk offloaded, and
-# the same share on 1F1B and V-ZB (whose split backward keeps W's inputs on the device).
-CASES = ("1f1b:0", "v-half:0", "v-half:0.5", "v-half:1", "1f1b:0.5", "v-zb:0.5")
+# (schedule, offload share): 1F1B, and V-Half with its first chunk (0.5) and everything it can (1)
+# offloaded; 1F1B and V-ZB (whose split backward keeps W's inputs on the device) likewise.
+CASES = ("1f1b:0", "v-half:0", "v-half:0.5", "v-half:1", "1f1b:0.5", "1f1b:1", "v-zb:0", "v-zb:0.5")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file rank 0 appends to")
+    ap.add_argument("--out", type=Path, help="JSONL file rank 0 appends to (a run, under torchrun)")
+    ap.add_argument("--report", type=Path, help="write --md from this JSONL file instead of running")
     ap.add_argument("--md", type=Path, help="markdown table rank 0 writes at the end")
     ap.add_argument("--cases", nargs="+", default=list(CASES), help="schedule:share pairs")
     ap.add_argument("--steps", type=int, default=4, help="training steps per case; the last one's peaks are kept")
@@ -87,9 +89,10 @@ def table(records: list[dict[str, Any]]) -> str:
     base = next(r for r in records if r["schedule"] == "1f1b" and r["share"] == 0)
     base_peak = max(g["steps"][-1]["device"] for g in base["ranks"])
     alone = {r["schedule"]: r for r in records if r["share"] == 0}
-    lines = ["| schedule | offload | device activation per rank (KiB) | busiest rank / 1F1B | host per rank (KiB) | "
-             "losses vs same schedule without offload | losses vs 1F1B | step (s, median) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | offload | device activation per rank (KiB) | busiest rank / 1F1B | busiest rank's peak: saved / "
+             "kept for W / offloaded units back (KiB) | host per rank (KiB) | losses vs same schedule without offload | "
+             "losses vs 1F1B | step (s, median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         device = [g["steps"][-1]["device"] for g in r["ranks"]]
         host = [g["steps"][-1]["host"] for g in r["ranks"]]
@@ -97,8 +100,10 @@ def table(records: list[dict[str, Any]]) -> str:
         own = alone.get(r["schedule"])
         same = "n/a" if own is None or own is r else _diff(losses, [s["loss"] for s in own["ranks"][0]["steps"]])
         step = statistics.median(s["step_s"] for s in r["ranks"][0]["steps"][1:])
+        parts = r["ranks"][device.index(max(device))]["steps"][-1]["breakdown"]
+        split = " / ".join(str(round(parts.get(key, 0) / 1024)) for key in ("saved", "parked", "offload"))
         lines.append(f"| {r['schedule']} | {r['share']:g} | {[round(d / 1024) for d in device]} | {max(device) / base_peak:.3f} | "
-                     f"{[round(h / 1024) for h in host]} | {same} | {_diff(losses, [s['loss'] for s in base['ranks'][0]['steps']])} | "
+                     f"{split} | {[round(h / 1024) for h in host]} | {same} | {_diff(losses, [s['loss'] for s in base['ranks'][0]['steps']])} | "
                      f"{step:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -108,8 +113,25 @@ def _diff(a: list[float], b: list[float]) -> str:
     return "identical" if worst == 0 else f"max diff {worst:.1e}"
 
 
+def render(records: list[dict[str, Any]], *, steps: int, seq_len: int) -> str:
+    p = records[0]["p"]
+    head = (f"# Activation offload, recipe Llama (hidden 64, 8 blocks, seq {seq_len}), p={p}, m=8, CPU ranks\n\n"
+            f"`benchmarks/bench_offload.py`: per rank, the peak activation bytes of the last of {steps} steps, on the device "
+            "(`engine.peak_activation_bytes`) and in host memory (`engine.peak_host_activation_bytes`) apart. The busiest "
+            "rank's peak splits into what autograd saved (on the device), what split backward keeps from B to W (not "
+            "offloaded), and offloaded units on the device (a forward running, or reloaded for the coming backward). "
+            "Losses: every step's loss on rank 0. Step times come from CPU ranks sharing 2 cores with other work: the "
+            "copies are plain memory copies with no copy engine to hide them, and the noise is larger than the "
+            "differences.\n\n")
+    return head + table(records)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report is not None:
+        records = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        args.md.write_text(render(records, steps=len(records[0]["ranks"][0]["steps"]), seq_len=args.seq_len))
+        return
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -131,10 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[offload p={p}] {case}: device KiB {[round(g['steps'][-1]['device'] / 1024) for g in gathered]}, host KiB "
                   f"{[round(g['steps'][-1]['host'] / 1024) for g in gathered]}", flush=True)
     if rank == 0 and args.md is not None and records:
-        head = (f"# Activation offload, recipe Llama (hidden 64, 8 blocks, seq {args.seq_len}), p={p}, m=8, CPU ranks\n\n"
-                "`bench_offload.py`: peak activation bytes of the last of "
-                f"{args.steps} steps per rank, device-resident and offloaded to host apart.\n\n")
-        args.md.write_text(head + table(records))
+        args.md.write_text(render(records, steps=args.steps, seq_len=args.seq_len))
     dist.barrier()
     dist.destroy_process_group()
 
