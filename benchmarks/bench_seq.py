@@ -215,6 +215,8 @@ def _row(rec: dict[str, Any], base: dict[str, Any]) -> str:
     name = "1f1b" if k == 1 else f"seq1f1b k={k} {rec.get('partition', 'equal')}"
     measured = f"{rec['sim_bubble_measured']:.1%}" if "sim_bubble_measured" in rec else "-"
     cuts = next((c for r in rec["ranks"] for c in r.get("cuts", []) if len(c) == k + 1), None)
+    if rec.get("partition", "equal") == "equal":  # the engine caches only compute-wise cuts
+        cuts = tuple(range(0, rec["seq_len"] + 1, rec["seq_len"] // k))
     lengths = "/".join(str(b - a) for a, b in zip(cuts, cuts[1:])) if cuts and k > 1 else "-"
     return (f"| {p} | {name} | {lengths} | {step:.2f} | {first['tokens_per_step'] / step:,.0f} | {first['sim_bubble']:.1%} "
             f"| {measured} | {(p - 1) / (k * m + p - 1):.1%} | {' / '.join(f'{b / MIB:.1f}' for b in peaks)} | {max(peaks) / MIB:.1f} "
