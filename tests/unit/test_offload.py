@@ -182,3 +182,20 @@ def test_notes_say_what_stays_on_the_device() -> None:
     notes = offload_notes(0.5, checkpoint_interval=2, split_backward=True)
     assert "from B to W" in notes[0] and "activation_checkpoint_interval=2" in notes[1]
     assert offload_notes(0.5, checkpoint_interval=0, split_backward=False) == []
+
+
+def test_outputs_the_engine_holds_stay_on_the_device() -> None:
+    """Tanh saves its output, which is the stage output the engine keeps: copying it would free nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh())
+    schedule = Schedule.from_text(["0F0 0F1 0BW0 0BW1"], name="t", micro_batches=2, stage_to_rank=[0])
+    meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    off = Offloader(meter, share=1.0, device=torch.device("cpu"), rank=0, min_bytes=0)
+    off.start_step(schedule, lower(schedule, 0), train=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    off.before_pass(Kind.F, (0, 0, 0))
+    with off.forward((0, 0, 0), [x], measure=True):
+        out = model(x)
+    off.after_forward((0, 0, 0), [x, out])
+    assert (0, 0, 0) in off.units and off.host_bytes == 0 and off.offloaded_units == 0
+    assert meter.live_bytes == x.nbytes + out.nbytes  # both counted once, by the meter
