@@ -82,3 +82,12 @@ def test_auto_picks_offload_only_when_asked() -> None:
     assert parse_pipeline_config({"pipeline": {"schedule": "auto", "offload": "auto"}}).offload_share == 0.0
     with pytest.raises(ValueError, match="offload 'auto' applies only with"):
         parse_pipeline_config({"pipeline": {"schedule": "v-half", "offload": "auto"}})
+
+
+def test_cli_simulates_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_vshape.cli import main
+
+    assert main(["simulate", "-s", "v-half", "-p", "4", "-m", "8", "--offload", "0.5", "--t-copy", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "offload 0.5 (copy 0.5 per M_B one way): device peak per rank 1.00 1.50 2.00 2.00 M_B" in out
+    assert "peak memory (M_B, busiest rank)   2.00   4.00  0.50x" in out
