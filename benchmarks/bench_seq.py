@@ -251,7 +251,7 @@ def render(records: list[dict[str, Any]], commit: str, loads: dict[str, str] | N
     for p in sorted({r["p"] for r in records}):
         group = [r for r in records if r["p"] == p]
         base = next(r for r in group if r["k"] == 1)
-        lines += [_row(r, base) for r in sorted(group, key=lambda r: (r["k"], r.get("partition", "equal")))]
+        lines += [_row(r, base) for r in sorted(group, key=lambda r: (r["k"], r.get("partition", "equal") != "equal"))]
     if loads:
         # Other work on the shared cores shows up as step time, not as memory.
         lines += ["", "Load average (1, 5, 15 min) before -> after each launch: "
