@@ -6,7 +6,7 @@ case trains two steps with clipping and compares losses and every parameter with
 own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with activation
 checkpointing and ZeRO-2, a no-offload twin of the V-Half case for the memory comparison, and
 the refusal of DeepSpeed's cpu_checkpointing. The sequence-chunk cases come last in each launch
-(a failing chunked case times out a receive): 32- or 48-token sequences (31: any length), where the
+(a failing chunked case times out a receive): 32- or 48-token sequences (37: any length), where the
 causal cost makes the compute-wise chunks unequal, for seq1f1b and v-half, one with offload.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from ds_vshape.schedules.seq_partition import chunk_boundaries
 
 from .launch import launch
 from .test_engine import _assert_parity, _by_case
@@ -50,7 +52,7 @@ def _cases_p2() -> list[dict[str, Any]]:
 
 def _chunked_p2() -> list[dict[str, Any]]:
     # GPT-2 (learned positions, tied head) with offload: the chunks' K/V buffers stay on the device.
-    return [_case("p2-seq1f1b-compute", "seq1f1b", 2, 0.0, seq_len=31, pipeline={"seq_partition": "compute"}),
+    return [_case("p2-seq1f1b-compute", "seq1f1b", 2, 0.0, seq_len=37, pipeline={"seq_partition": "compute"}),
             _case("p2-v-half-k3-compute-offload", "v-half", 2, 1.0, hf="gpt2", seq_len=32,
                   pipeline={"seq_chunks": 3, "seq_partition": "compute"})]
 
@@ -115,6 +117,8 @@ def test_compute_partition_trains_exactly(results_p2: dict, results_p4: dict, ca
     cuts = [c for res in ranks for c in res["seq_cuts"]]
     lengths = {tuple(b - a for a, b in zip(c, c[1:])) for c in cuts}
     assert lengths and all(len(set(ls)) > 1 and list(ls) == sorted(ls, reverse=True) for ls in lengths), (case, lengths)
+    # Not what an equal split of that length would give (with one token more or less per chunk).
+    assert all(tuple(c) != chunk_boundaries(c[-1], len(c) - 1) for c in cuts), (case, cuts)
     if "offload" in case:
         _check_offloaded(case, ranks, idle=())
 
