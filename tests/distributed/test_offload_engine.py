@@ -6,7 +6,7 @@ case trains two steps with clipping and compares losses and every parameter with
 own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with activation
 checkpointing and ZeRO-2, a no-offload twin of the V-Half case for the memory comparison, and
 the refusal of DeepSpeed's cpu_checkpointing. The sequence-chunk cases come last in each launch
-(a failing chunked case times out a receive): 32- or 48-token sequences (37: any length), where the
+(a failing chunked case times out a receive): 32- to 48-token sequences (37: any length), where the
 causal cost makes the compute-wise chunks unequal, for seq1f1b and v-half, one with offload.
 """
 
@@ -53,7 +53,7 @@ def _cases_p2() -> list[dict[str, Any]]:
 def _chunked_p2() -> list[dict[str, Any]]:
     # GPT-2 (learned positions, tied head) with offload: the chunks' K/V buffers stay on the device.
     return [_case("p2-seq1f1b-compute", "seq1f1b", 2, 0.0, seq_len=37, pipeline={"seq_partition": "compute"}),
-            _case("p2-v-half-k3-compute-offload", "v-half", 2, 1.0, hf="gpt2", seq_len=32,
+            _case("p2-v-half-k3-compute-offload", "v-half", 2, 1.0, hf="gpt2", seq_len=40,
                   pipeline={"seq_chunks": 3, "seq_partition": "compute"})]
 
 
