@@ -16,6 +16,11 @@ kernels onto a stream and only waits where it needs a result. This module models
   receives the same bytes looks them up; its stream starts its next pass no earlier than
   ready + ``TransferModel.seconds(nbytes)`` (latency + bytes / bandwidth). Its host does not
   wait for that (a GPU's compute stream waits on the receive, not the host).
+* Communicator streams: ds_vshape puts each pair of neighbouring ranks on a 2-rank process
+  group of its own, and NCCL runs a communicator's transfers one after another on its stream.
+  So the transfers a rank receives from one peer are serialized: one starts no earlier than
+  the end of the previous transfer from that peer (``AsyncDevice._pair_free``), whatever
+  their readiness. Transfers from different peers overlap, as separate communicators do.
 
 Keys are content hashes because the pipeline systems send the layer's own output (and the
 stage input's gradient) byte for byte: no pipeline system needs to be patched, and
@@ -174,6 +179,7 @@ class AsyncDevice:
     def __init__(self, rank: int, table: ReadyTable, transfer: TransferModel = TransferModel(), stream: DeviceStream | None = None) -> None:
         self.rank, self.table, self.transfer = rank, table, transfer
         self.stream = stream if stream is not None else DeviceStream()
+        self._pair_free: dict[int, float] = {}  # peer -> end of the last transfer on that pair's stream
 
     def run(self, seconds: float, kind: str) -> Pass:
         return self.stream.enqueue(seconds, kind)
@@ -189,7 +195,11 @@ class AsyncDevice:
             return
         hit = self.table.lookup(tensor_key(t))
         if hit is not None and hit[0] != self.rank:
-            self.stream.wait_for(hit[1] + self.transfer.seconds(t.numel() * t.element_size()))
+            peer, ready = hit
+            start = max(ready, self._pair_free.get(peer, 0.0))  # the pair's communicator runs one transfer at a time
+            end = start + self.transfer.seconds(t.numel() * t.element_size())
+            self._pair_free[peer] = end
+            self.stream.wait_for(end)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -42,9 +42,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 import ds_vshape  # noqa: E402
 from benchmarks.async_device import AsyncDevice, ReadyTable, TransferModel, default_table_path  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
-from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv  # noqa: E402
-from ds_vshape.runtime.p2p_groups import pair_groups  # noqa: E402
-from ds_vshape.runtime.memory import ActivationMeter  # noqa: E402
+from ds_vshape.runtime.transfers.comm import ACT, GRAD, P2P, Recv  # noqa: E402
+from ds_vshape.runtime.transfers.p2p_groups import pair_groups  # noqa: E402
+from ds_vshape.runtime.measuring.memory import ActivationMeter  # noqa: E402
 from ds_vshape.schedules import schedule_names  # noqa: E402
 
 TORCH_SCHEDULES = ("1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev")

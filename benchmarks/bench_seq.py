@@ -96,7 +96,7 @@ class _PassTimes:
     """Seconds of each F and backward pass per sequence chunk, while ``on`` (CPU: no sync needed)."""
 
     def __init__(self, engine: Any) -> None:
-        from ds_vshape.runtime import instructions as ins
+        from ds_vshape.runtime.program import instructions as ins
 
         self.on = False
         self.times: dict[tuple[str, int], list[float]] = {}

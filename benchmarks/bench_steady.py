@@ -47,7 +47,7 @@ import deepspeed  # noqa: E402
 from benchmarks import bench_emulated as be  # noqa: E402
 from benchmarks.emulated import DEVICE  # noqa: E402
 from ds_vshape.runtime import post_validation as pv  # noqa: E402
-from ds_vshape.runtime.step import OptimizerStepMixin  # noqa: E402
+from ds_vshape.runtime.step_end.step import OptimizerStepMixin  # noqa: E402
 
 # (label, system, schedule, pipeline keys for ds_vshape, clip). "+pv": post-validation that
 # speculates from the first step (speculate_after 0); "+pv wait": it waits for every check.

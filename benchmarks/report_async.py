@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import RAW, RESULTS, _f, build_rows, machine_info, read_jsonl  # noqa: E402
+from benchmarks.report import _f, machine_info  # noqa: E402
+from benchmarks.report_rows import RAW, RESULTS, build_rows, read_jsonl  # noqa: E402
 
 __all__ = ["async_markdown", "main", "sync_step_times"]
 

@@ -24,7 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import _commit, as_lowered, machine_info, read_jsonl, schedule_of  # noqa: E402
+from benchmarks.report import _commit, machine_info  # noqa: E402
+from benchmarks.report_rows import as_lowered, read_jsonl, schedule_of  # noqa: E402
 from ds_vshape.schedules import Costs, Schedule, simulate  # noqa: E402
 
 __all__ = ["steady_rows", "main"]

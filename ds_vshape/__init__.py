@@ -17,7 +17,7 @@ __all__ = ["__version__", "initialize", "PipelineModule"]
 # noted on every module built from now on. Only when DeepSpeed is already loaded, so that the
 # schedule layer and the CLI stay light.
 if "deepspeed.runtime.pipe.module" in sys.modules:
-    from .runtime.module import record_partition_methods
+    from .runtime.dropin.module import record_partition_methods
 
     record_partition_methods()
 
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         return initialize
     if name == "PipelineModule":
-        from .runtime.module import PipelineModule
+        from .runtime.dropin.module import PipelineModule
 
         return PipelineModule
     raise AttributeError(f"module 'ds_vshape' has no attribute {name!r}")

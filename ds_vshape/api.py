@@ -21,18 +21,18 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.utils import logger
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
-from .runtime.auto import AutoEngine
+from .runtime.measuring.auto import AutoEngine
 from .runtime.engine import VShapeEngine
-from .runtime.carry import carry_weights
-from .runtime.device import bind_local_device
-from .runtime.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
-from .runtime.profile import profiled_cut
-from .runtime.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
-from .runtime.offload import check_offload_config, offload_notes
-from .runtime.seq_chunks import check_module as check_seq_chunk_module
-from .runtime.seq_chunks import partition_dims
-from .runtime.post_validation import check_post_validation_config
-from .runtime.zero import check_zero_config
+from .runtime.dropin.carry import carry_weights
+from .runtime.transfers.device import bind_local_device
+from .runtime.dropin.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
+from .runtime.measuring.profile import profiled_cut
+from .runtime.dropin.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
+from .runtime.offload.offloader import check_offload_config, offload_notes
+from .runtime.program.seq_chunks import check_module as check_seq_chunk_module
+from .runtime.program.seq_chunks import partition_dims
+from .runtime.step_end.post_validation import check_post_validation_config
+from .runtime.zero.zero import check_zero_config
 from .schedules import Schedule, get_info
 
 __all__ = ["initialize"]
@@ -170,7 +170,7 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
     except ValueError as err:
         raise ConfigError(str(err)) from None
     profile = None
-    if method == "profile":  # measured on this job's layers and a sample micro-batch (runtime/profile.py)
+    if method == "profile":  # measured on this job's layers and a sample micro-batch (runtime/measuring/profile.py)
         profile = profiled_cut(model, schedule, vs, config=config, training_data=training_data, collate_fn=collate_fn)
     module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method,
                                    stage_parts=None if profile is None else profile.cut.parts)

@@ -64,6 +64,7 @@ __all__ = [
     "batches",
     "build_parser",
     "check_seq_len",
+    "describe_schedule",
     "load_tokens",
     "main",
     "preset_config",
@@ -219,7 +220,9 @@ def check_seq_len(config: dict[str, Any], seq_len: int, source: str) -> None:
     parsed = parse_pipeline_config(config)
     if parsed.schedule is None or parsed.seq_partition == "compute":  # compute-wise chunks take any length
         return
-    default = get_info(parsed.schedule).default_seq_chunks
+    # auto measures and then runs every schedule with the config's seq_chunks (1 when absent);
+    # a named schedule falls back to its own default (seq1f1b: 2).
+    default = 1 if parsed.schedule == "auto" else get_info(parsed.schedule).default_seq_chunks
     k = parsed.seq_chunks or default
     if k > 1 and seq_len % k:
         which = f"pipeline.seq_chunks={k}" + ("" if parsed.seq_chunks else f" ({parsed.schedule}'s default)")
@@ -255,6 +258,7 @@ class Job:
     summary: RunSummary
     micro: int  # rows per micro-batch
     gas: int  # micro-batches per step
+    w_memory: float = 0.5  # the config's share of activation kept until W, for the simulator
 
 
 def pipeline_stages(requested: int | None, world: int) -> int:
@@ -285,11 +289,19 @@ def setup(args: argparse.Namespace) -> Job:
     name, schedule = schedule_of(engine)
     # Predict with the same share of activation held until W that the schedule was planned for.
     kept = parse_pipeline_config(read_config(args)).w_memory
-    sim = simulate(schedule, kept_until_w=kept)
     summary = RunSummary(schedule=name, ranks=stages, micro_batches=engine.micro_batches, model=args.model,
-                         sim_bubble_rate=sim.bubble_rate, sim_peak_memory=list(sim.peak_memory),
                          peak_activation_bytes=[None] * world)
-    return Job(engine, train_ids, val_ids, summary, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    describe_schedule(summary, schedule, kept_until_w=kept)
+    return Job(engine, train_ids, val_ids, summary, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+               w_memory=kept)
+
+
+def describe_schedule(summary: RunSummary, schedule: Schedule, *, kept_until_w: float, name: str | None = None) -> None:
+    """Put the schedule's name and simulated bubble and peak memory into the summary."""
+    sim = simulate(schedule, kept_until_w=kept_until_w)
+    summary.sim_bubble_rate, summary.sim_peak_memory = sim.bubble_rate, list(sim.peak_memory)
+    if name is not None:
+        summary.schedule = name
 
 
 def run_steps(job: Job, args: argparse.Namespace, start: int) -> None:
@@ -318,6 +330,9 @@ def train(args: argparse.Namespace) -> RunSummary:
     t_start = time.perf_counter()
     job = setup(args)
     run_steps(job, args, start=resume(job.engine, args.resume))
+    choice = getattr(job.engine, "auto_choice", None)
+    if choice is not None:  # "schedule": "auto" measured, then switched: report what it runs now
+        describe_schedule(job.summary, schedule_of(job.engine)[1], kept_until_w=job.w_memory, name=f"auto: {choice.name}")
     if args.save is not None:
         job.engine.save_checkpoint(str(args.save), client_state={"step": args.steps})
     if not args.no_eval:

@@ -4,7 +4,10 @@
 ``ModuleList`` of decoder blocks, the base model whose forward calls them, the
 input embedding, the final norm and the LM head, and turns the recorded calls
 of the base model and of every block into ``_Recipe`` objects that a later
-pipeline stage can replay from the sequence alone.  Anything it cannot
+pipeline stage can replay from the sequence alone.  An argument that *is*
+the cache the trace handed the model becomes ``_Kind.CACHE`` whatever its
+name, and each block is noted as storing keys/values through that cache or
+not (what sequence chunks need).  Anything it cannot
 rebuild (weighted modules between blocks, block arguments computed from
 values, bidirectional masks, ...) raises ``ValueError`` with the reason.
 Everything here is internal to ``ds_vshape.hf``.
@@ -46,6 +49,7 @@ class _Anatomy:
     tied: bool
     base_recipe: _Recipe
     block_recipes: tuple[_Recipe, ...]
+    stores_kv: tuple[bool, ...]  # per block: stored keys/values through the model's cache in the trace
 
 
 @dataclass
@@ -82,7 +86,13 @@ def _analyse(lm: PreTrainedModel, trace: _Trace) -> _Anatomy:
         lm.get_submodule(base).forward, base_call, known, first_is_hidden=False, where="base", by_name=True
     )
     relative_embedding = embedding[len(base) + 1 :] if base else embedding
-    return _Anatomy(base, layers, count, norm, head, relative_embedding, tied, base_recipe, blocks)
+    stores = tuple(_stores_kv(trace, f"{layers}.{index}") for index in range(count))
+    return _Anatomy(base, layers, count, norm, head, relative_embedding, tied, base_recipe, blocks, stores)
+
+
+def _stores_kv(trace: _Trace, path: str) -> bool:
+    begin, end = trace.index("start", path), trace.index("end", path)
+    return any(begin < update <= end for update in trace.cache_updates)
 
 
 def _base_path(trace: _Trace, layers: str) -> str:
@@ -226,6 +236,8 @@ _NAMED_TENSORS = {
 
 
 def _classify(name: str, value: Any, known: _Known, *, first: bool, where: str, by_name: bool) -> _Arg:
+    if value is not None and value is known.trace.cache:  # the model's cache, under whatever name it is passed
+        return _Arg(name, _Kind.CACHE)
     if id(value) in known.masks:
         return _Arg(name, _Kind.MASK, known.masks[id(value)])
     if not _holds_tensor(value):

@@ -9,8 +9,10 @@ which the stage keeps in a ``ChunkKVState`` (one per stage and micro-batch):
         out = stage_forward(chunk_inputs)          # the layers' ordinary forward
 
 Inside the context every recorded call is replayed the way transformers runs
-a model with a KV cache of ``start`` tokens: a ``Cache`` stand-in is passed as
-``past_key_values`` (so positions, rotary and learned position embeddings
+a model with a KV cache of ``start`` tokens: a ``Cache`` stand-in is passed
+wherever the model passes its cache (the arguments the trace recorded as
+``_Kind.CACHE``, whatever their name: ``past_key_values``, ``cache``,
+``layer_past``, ...; so positions, rotary and learned position embeddings
 start at ``start``, and the mask builders make the bottom-right aligned causal
 or sliding-window mask of ``end - start`` query rows by ``end`` key columns),
 and the 2-D padding mask is that of positions ``[0, end)``.  Under SDPA, a plain causal
@@ -19,7 +21,7 @@ a materialised one: CUDA kernels then need no mask at all, and elsewhere it is o
 ``(queries, keys)`` matrix instead of one per row of the batch that SDPA keeps for
 backward in every layer.
 
-Each attention layer's new K/V (what HF hands to ``past_key_values.update``:
+Each attention layer's new K/V (what HF hands to the cache's ``update``:
 after rotary, before the grouped-query repeat) is written into one buffer per
 layer (``kv_buffer``), and the chunk attends to the buffer's positions ``[0, end)``,
 so backward keeps the keys and values once, as the unchunked model does.  The
@@ -46,6 +48,8 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from .cache_role import _query_length
+from .chunkable import _chunk_refusal_message
 from .kv_buffer import KVBuffer
 from .tracing import _Arg, _Kind, _MaskRecipe, _Recipe, _Runtime
 
@@ -54,13 +58,6 @@ __all__ = [
     "seq_chunk",
 ]
 
-# Only these were verified exact; flash/flex kernels read position ids and
-# pick their own alignment, which has not been checked here.
-_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
-# Rotary variants whose frequencies depend on the longest position seen so
-# far: a chunk ending early would get different frequencies than the whole.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -229,7 +226,7 @@ def _edge(tensor: torch.Tensor) -> GradientEdge | None:
 
 
 class _ChunkCache(Cache):
-    """What the model's attention and mask code see as ``past_key_values`` inside a chunk.
+    """What the model's attention and mask code see as its cache inside a chunk.
 
     Behaves like a cache already holding ``start`` tokens: ``update`` returns
     the earlier chunks' K/V followed by the new ones, and the mask sizes are
@@ -254,10 +251,10 @@ class _ChunkCache(Cache):
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._start
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         # All earlier keys are kept (also for sliding-window layers, whose
         # window the mask function applies), so keys always start at 0.
-        return self._start + query_length, 0
+        return self._start + _query_length(query), 0
 
 
 @dataclass(frozen=True)
@@ -316,12 +313,12 @@ class _ChunkRuntime(_Runtime):
         finally:
             self._depth -= 1
         if self._depth == 0 and self._block is not None and self._active.cache.updates == before:
-            raise ValueError(f"{self._block}: it ran without storing keys/values through past_key_values.update")
+            raise ValueError(f"{self._block}: it ran without storing keys/values through its cache's update")
         return out
 
     def _resolve(self, arg: _Arg) -> Any:
         active = self._active
-        if arg.name == "past_key_values":
+        if arg.kind is _Kind.CACHE:
             return active.cache
         if arg.kind in (_Kind.POSITIONS, _Kind.CACHE_POSITIONS):
             reference = self._hidden if self._hidden is not None else self._input_ids
@@ -347,47 +344,21 @@ def _plain_causal(mask: _MaskRecipe) -> bool:
     return all(arg.value is None for arg in args if arg.name in ("or_mask_function", "and_mask_function"))
 
 
-def _runtime(config: PretrainedConfig, block: _Recipe | None, **kwargs: Any) -> _Runtime:
+def _runtime(config: PretrainedConfig, block: _Recipe | None, *, stores_kv: bool = True, **kwargs: Any) -> _Runtime:
     """The runtime for one layer forward: plain outside ``seq_chunk``, chunk-aware inside.
 
-    ``block`` is the decoder block's recipe (None for the embedding layer).
+    ``block`` is the decoder block's recipe (None for the embedding layer),
+    ``stores_kv`` whether the block stored keys/values through the model's cache when traced.
     """
     active = _ACTIVE.get()
     if active is None:
         return _Runtime(**kwargs)
-    reason = _chunk_refusal(config, block)
+    # Normally refused at initialize already (ds_vshape.hf.seq_chunk_refusal); this
+    # covers layers run by hand and configs changed after initialize.
+    refusal = _chunk_refusal_message(config, block, stores_kv=stores_kv)
+    if refusal is not None:
+        raise ValueError(refusal)
     model_type = getattr(config, "model_type", type(config).__name__)
-    if reason is not None:
-        raise ValueError(f"model type {model_type!r} cannot run in sequence chunks: {reason}")
     where = f"model type {model_type!r} decoder block" if block is not None else None
     sdpa = getattr(config.get_text_config(), "_attn_implementation", None) == "sdpa"
     return _ChunkRuntime(active, block=where, sdpa=sdpa, **kwargs)
-
-
-def _chunk_refusal(config: PretrainedConfig, block: _Recipe | None) -> str | None:
-    """Why this model cannot be chunked exactly, or None."""
-    text = config.get_text_config()
-    implementation = getattr(text, "_attn_implementation", None)
-    if implementation not in _ATTENTION_IMPLEMENTATIONS:
-        supported = ", ".join(_ATTENTION_IMPLEMENTATIONS)
-        return f"attention implementation {implementation!r} is not verified exact (supported: {supported})"
-    odd_layers = sorted(set(getattr(text, "layer_types", None) or ()) - set(_LAYER_TYPES))
-    if odd_layers:
-        return f"layer types {odd_layers} are not supported (only {_LAYER_TYPES})"
-    rope_types = _rope_types(getattr(text, "rope_parameters", None)) | _rope_types(getattr(text, "rope_scaling", None))
-    varying = sorted(t for t in rope_types if any(kind in t for kind in _LENGTH_DEPENDENT_ROPE))
-    if varying:
-        return f"rotary type(s) {varying} change with the sequence length seen so far"
-    if block is not None and not any(arg.name == "past_key_values" for arg in (*block.positional, *block.keyword)):
-        return "its decoder blocks are not given past_key_values, so earlier chunks' keys/values cannot be fed in"
-    return None
-
-
-def _rope_types(parameters: Any) -> set[str]:
-    # rope_parameters is one dict, or one dict per layer type (e.g. Gemma3).
-    if not isinstance(parameters, dict):
-        return set()
-    found = {str(parameters["rope_type"])} if "rope_type" in parameters else set()
-    for value in parameters.values():
-        found |= _rope_types(value)
-    return found

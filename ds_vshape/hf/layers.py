@@ -23,10 +23,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from .analysis import _analyse, _Anatomy, _hidden_of, _is_ancestor
 from .attention import _runtime
+from .chunkable import _chunk_refusal_message
+from .logits import _LogitOps
 from .loss import causal_lm_loss
 from .semantics import _check_head_semantics, _hollow
 from .tracing import _Kind, _trace_model
-from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta
+from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta, _stored_name_converter
 
 __all__ = [
     "HFDecoderBlock",
@@ -35,6 +37,7 @@ __all__ = [
     "HFLMHead",
     "parameter_counts",
     "pipeline_layers",
+    "seq_chunk_refusal",
 ]
 
 # ------------------------------------------------------------------------- plan
@@ -57,9 +60,11 @@ class _Plan:
         skeleton: bool,
         dtype: torch.dtype | None,
         pad_token_id: int | None,
+        logit_ops: _LogitOps | None,
     ) -> None:
         self.lm, self.anatomy, self.checkpoint = lm, anatomy, checkpoint
         self.skeleton, self.dtype, self.pad_token_id = skeleton, dtype, pad_token_id
+        self.logit_ops = logit_ops  # the LM's own logit post-processing, replayed after the head
         self.dry = False  # True: build() returns the source modules untouched (for counting)
 
     def __repr__(self) -> str:
@@ -104,6 +109,7 @@ class HFEmbedding(nn.Module):
         self.embedding_path = anatomy.embedding
         self._recipe = anatomy.base_recipe
         self._pad_token_id = plan.pad_token_id
+        self._logit_ops = plan.logit_ops
         self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, input_ids: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +121,8 @@ class HFEmbedding(nn.Module):
         return hidden, key_mask
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head sharing the token-embedding weight (tied input/output embeddings)."""
-        return F.linear(hidden, self.body.get_submodule(self.embedding_path).weight)
+        """LM head sharing the token-embedding weight (tied input/output embeddings), then the LM's post-processing."""
+        return _post_processed(F.linear(hidden, self.body.get_submodule(self.embedding_path).weight), self._logit_ops)
 
 
 class HFDecoderBlock(nn.Module):
@@ -130,12 +136,15 @@ class HFDecoderBlock(nn.Module):
         self._rope_paths = plan.rope_paths(index)
         self.rotary = nn.ModuleList([plan.build(path) for path in self._rope_paths])
         self._recipe = plan.anatomy.block_recipes[index]
+        self._stores_kv = plan.anatomy.stores_kv[index]
         self._config = plan.lm.config  # read only inside ds_vshape.hf.attention.seq_chunk
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, key_mask = inputs[0], inputs[1]
         ropes = dict(zip(self._rope_paths, self.rotary, strict=True))
-        runtime = _runtime(self._config, self._recipe, hidden=hidden, key_mask=key_mask, ropes=ropes)
+        runtime = _runtime(
+            self._config, self._recipe, stores_kv=self._stores_kv, hidden=hidden, key_mask=key_mask, ropes=ropes
+        )
         out = runtime.call(self.block, self._recipe)
         return _hidden_of(out), key_mask
 
@@ -153,16 +162,22 @@ class HFFinalNorm(nn.Module):
 
 
 class HFLMHead(nn.Module):
-    """Final norm (if any) and the untied LM head; returns logits."""
+    """Final norm (if any), the untied LM head and the LM's own logit post-processing (if any); returns logits."""
 
     def __init__(self, plan: _Plan) -> None:
         super().__init__()
         norm = plan.anatomy.norm
         self.norm = plan.build(norm) if norm is not None else nn.Identity()
         self.head = plan.build(plan.anatomy.head)
+        self._logit_ops = plan.logit_ops
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.head(self.norm(inputs[0]))
+        return _post_processed(self.head(self.norm(inputs[0])), self._logit_ops)
+
+
+def _post_processed(logits: torch.Tensor, ops: _LogitOps | None) -> torch.Tensor:
+    # E.g. Granite's logits_scaling or Gemma2's soft-capping, as the LM's own forward applies them.
+    return logits if ops is None else ops(logits)
 
 
 def _tied_lm_head(embedding: HFEmbedding, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -216,6 +231,36 @@ def parameter_counts(layers: Sequence[LayerSpec | nn.Module]) -> list[int]:
     return [_parameter_count(layer) for layer in layers]
 
 
+def seq_chunk_refusal(layers: Sequence[LayerSpec | nn.Module]) -> str | None:
+    """Why these ``pipeline_layers`` layers cannot run in sequence chunks exactly, or None when they can.
+
+    Decided from the model's config and its trace alone, so every rank can ask before any
+    forward: ``ds_vshape.initialize`` does for ``pipeline.seq_chunks > 1``, so that no rank
+    refuses in its first forward while the others wait for its activations.  Layers that are
+    not ``ds_vshape.hf`` layers are not judged here.
+    """
+    for layer in layers:
+        reason = _layer_refusal(layer)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_refusal(layer: LayerSpec | nn.Module) -> str | None:
+    if isinstance(layer, HFDecoderBlock):
+        return _chunk_refusal_message(layer._config, layer._recipe, stores_kv=layer._stores_kv)
+    if isinstance(layer, HFEmbedding):
+        return _chunk_refusal_message(layer._config, None)
+    if not isinstance(layer, LayerSpec) or not layer.module_args or not isinstance(layer.module_args[0], _Plan):
+        return None
+    plan = layer.module_args[0]
+    if layer.typename is HFDecoderBlock:
+        index = layer.module_args[1]
+        recipe, stores_kv = plan.anatomy.block_recipes[index], plan.anatomy.stores_kv[index]
+        return _chunk_refusal_message(plan.lm.config, recipe, stores_kv=stores_kv)
+    return _chunk_refusal_message(plan.lm.config, None)
+
+
 def _parameter_count(layer: LayerSpec | nn.Module) -> int:
     if isinstance(layer, LayerSpec):
         if layer.module_args and isinstance(layer.module_args[0], _Plan):
@@ -238,11 +283,13 @@ def _make_plan(
     pad = getattr(lm.config, "pad_token_id", None) if mask_padding else None
     trace = _trace_model(lm, with_padding=pad is not None)
     anatomy = _analyse(lm, trace)
-    _check_head_semantics(lm, anatomy)
+    logit_ops = _check_head_semantics(lm, anatomy)
     if checkpoint is not None:
-        checkpoint = _Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix)
+        checkpoint = _Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix, rename=_stored_name_converter(lm))
     skeleton = not isinstance(model, PreTrainedModel)
-    return _Plan(lm, anatomy, checkpoint=checkpoint, skeleton=skeleton, dtype=dtype, pad_token_id=pad)
+    return _Plan(
+        lm, anatomy, checkpoint=checkpoint, skeleton=skeleton, dtype=dtype, pad_token_id=pad, logit_ops=logit_ops
+    )
 
 
 def _open(

@@ -1,10 +1,13 @@
-"""LM-level semantics: the model's own causal-LM forward must neither post-process logits nor use another loss.
+"""LM-level semantics: what the model's own causal-LM forward does to the logits, and which loss it uses.
 
 ``_check_head_semantics`` runs the LM's forward with its base model and head
 replaced by stubs (via ``_hollow``, a shallow copy with some submodules
-swapped, also used to build the embedding layer) and refuses, with
-``ValueError``, models whose logits or loss differ from what the pipeline
-computes.  Everything here is internal to ``ds_vshape.hf``.
+swapped, also used to build the embedding layer).  It records the LM's logit
+post-processing (scaling, soft-capping; see ``logits``) for the last pipeline
+layer to replay, checks that the replay is the model's on other logits and
+works on any slice of positions or sequences, and refuses, with
+``ValueError``, post-processing it cannot replay and any loss other than
+``causal_lm_loss``.  Everything here is internal to ``ds_vshape.hf``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .analysis import _Anatomy, _is_ancestor
+from .logits import _LogitOps, _LogitRecorder
 from .loss import IGNORE_INDEX, causal_lm_loss
 
 __all__ = [
@@ -61,28 +65,64 @@ class _StubHead(nn.Module):
         return self.logits
 
 
-def _check_head_semantics(lm: PreTrainedModel, anatomy: _Anatomy) -> None:
-    """Run the LM's own forward around stub body/head: logits must pass unchanged, loss must match ours."""
+def _check_head_semantics(lm: PreTrainedModel, anatomy: _Anatomy) -> _LogitOps | None:
+    """Run the LM's own forward around stub body/head: what it does to the logits, and its loss.
+
+    Returns the LM's logit post-processing to replay on the pipeline's logits (None when the
+    logits pass unchanged).  Refuses (``ValueError``) post-processing that cannot be replayed
+    from the logits alone or mixes positions, and any loss other than ``causal_lm_loss``.
+    """
     vocab, width = lm.get_submodule(anatomy.head).weight.shape
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, vocab, generator=generator)
+    name = type(lm).__name__
+    recorder = _LogitRecorder(logits)
+    with recorder:
+        out = _run_probe(lm, anatomy, torch.zeros(2, 3, width), logits)
+    ops = recorder.chain(out.logits, what=name)
+    if ops is not None:
+        _check_replay(lm, anatomy, ops, vocab=vocab, width=width, generator=generator)
     labels = torch.randint(0, vocab, (2, 3), generator=generator)
     labels[0, 1] = labels[1, 0] = IGNORE_INDEX
-    replacements: dict[str, nn.Module] = {
-        anatomy.base: _StubBase(torch.zeros(2, 3, width)),
-        anatomy.head: _StubHead(logits),
-    }
+    out = _run_probe(lm, anatomy, torch.zeros(2, 3, width), logits, labels=labels)
+    ours = causal_lm_loss(logits if ops is None else ops(logits), labels)
+    if not torch.allclose(out.loss, ours, rtol=1e-5, atol=1e-6):
+        raise ValueError(f"{name} uses a loss other than shifted next-token cross-entropy")
+    return ops
+
+
+def _check_replay(
+    lm: PreTrainedModel, anatomy: _Anatomy, ops: _LogitOps, *, vocab: int, width: int, generator: torch.Generator
+) -> None:
+    """The recorded post-processing must be the model's on other logits too, and work position by position."""
+    name = type(lm).__name__
+    for scale in (1.0, 100.0):  # large values reach e.g. a soft-cap's saturation
+        logits = scale * torch.randn(3, 4, vocab, generator=generator)
+        hidden = torch.randn(3, 4, width, generator=generator)
+        if not torch.equal(ops(logits), _run_probe(lm, anatomy, hidden, logits).logits):
+            raise ValueError(f"{name}'s logit post-processing depends on more than the LM head's output")
+        whole = ops(logits)
+        # Sequence chunks and micro-batches post-process their own slice only.
+        if not (torch.equal(whole[:, 1:], ops(logits[:, 1:])) and torch.equal(whole[1:], ops(logits[1:]))):
+            raise ValueError(
+                f"{name}'s logit post-processing mixes positions or sequences; cannot run it per micro-batch and chunk"
+            )
+
+
+def _run_probe(
+    lm: PreTrainedModel, anatomy: _Anatomy, hidden: torch.Tensor, logits: torch.Tensor, *,
+    labels: torch.Tensor | None = None,
+) -> Any:
+    """The LM's forward with its base model returning ``hidden`` and its head returning ``logits``."""
+    replacements: dict[str, nn.Module] = {anatomy.base: _StubBase(hidden), anatomy.head: _StubHead(logits)}
     if anatomy.norm is not None and not _is_ancestor(anatomy.base, anatomy.norm):
         replacements[anatomy.norm] = nn.Identity()
     probe = _hollow(lm, replacements)
+    input_ids = torch.zeros(hidden.shape[:2], dtype=torch.long)
     try:
-        out = probe(input_ids=torch.zeros(2, 3, dtype=torch.long), labels=labels, use_cache=False)
+        return probe(input_ids=input_ids, labels=labels, use_cache=False)
     except Exception as error:
         raise ValueError(f"cannot check the LM head semantics of {type(lm).__name__}: {error!r}") from error
-    if out.logits is not logits and not torch.equal(out.logits, logits):
-        raise ValueError(f"{type(lm).__name__} post-processes the LM head logits (e.g. scaling or soft-capping)")
-    if not torch.allclose(out.loss, causal_lm_loss(logits, labels), rtol=1e-5, atol=1e-6):
-        raise ValueError(f"{type(lm).__name__} uses a loss other than shifted next-token cross-entropy")
 
 
 def _hollow(root: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:

@@ -4,7 +4,10 @@
 ``transformers.masking_utils`` mask builders, then runs the model's own
 forward on meta tensors (no memory, no FLOPs): the ``_Trace`` holds the order
 in which modules started and ended, every module call with its arguments and
-output, and every mask-builder call.  A ``_Recipe`` says how to call a function
+output, and every mask-builder call.  The forward is handed an empty
+``_TraceCache`` (see ``cache_role``), so that the trace shows which arguments
+carry the model's KV cache, under whatever name, and which blocks store
+keys/values through it.  A ``_Recipe`` says how to call a function
 again at run time, each argument tagged with a ``_Kind`` telling where its
 value comes from; ``_Runtime`` resolves those for one forward of one pipeline
 layer.  Everything here is internal to ``ds_vshape.hf``.
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from .cache_role import _TraceCache, _with_cache
 
 __all__ = [
     "_Arg",
@@ -56,6 +61,7 @@ class _Kind(enum.Enum):
     CACHE_POSITIONS = "cache_positions"  # arange(seq)
     ROPE = "rope"  # output of a weight-free rotary module, re-run
     MASK = "mask"  # output of a masking_utils builder, re-run
+    CACHE = "cache"  # the model's KV cache: None, as in training, except inside a sequence chunk
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class _Runtime:
             return self._positions().unsqueeze(0)
         if kind is _Kind.CACHE_POSITIONS:
             return self._positions()
+        if kind is _Kind.CACHE:
+            return None
         if kind is _Kind.ROPE:
             ref: _RopeRef = arg.value
             return self._once(ref, lambda: self.call(self._ropes[ref.path], ref.recipe))
@@ -162,40 +170,53 @@ class _Trace:
     calls: dict[str, list[_Call]] = field(default_factory=dict)
     masks: list[_MaskCall] = field(default_factory=list)
     input_mask: torch.Tensor | None = None
+    offer_cache: bool = False  # hand a _TraceCache to the first forward with a Cache-typed parameter
+    cache: _TraceCache | None = None  # the cache handed to the model, once a forward took it
+    cache_updates: list[int] = field(default_factory=list)  # len(events) at each K/V update through it
 
     def index(self, kind: str, path: str) -> int:
         return self.events.index((kind, path))
 
 
 def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
-    """Run ``lm`` once on meta tensors, recording module calls and mask builder calls."""
-    trace = _Trace()
+    """Run ``lm`` once on meta tensors, recording module calls and mask builder calls.
+
+    The first attempt hands the model a ``_TraceCache``; a model that cannot
+    run with one is traced without (it then cannot run in sequence chunks).
+    """
+    box = [_Trace()]  # the hooks read the trace to fill from a box, so a retry can swap in a fresh one
     handles = []
-    # The hooks read the trace to fill from a box, so a retry can swap in a fresh one.
-    box = [trace]
     for path, module in lm.named_modules():
         handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path)))
+        handles.append(module.register_forward_pre_hook(functools.partial(_hand_cache, box), with_kwargs=True))
         handles.append(module.register_forward_hook(functools.partial(_on_end, box, path), with_kwargs=True))
+    plain_error: Exception | None = None  # what the model's plain fp32 forward ran into
     try:
-        _run_on_meta(lm, trace, with_padding=with_padding, dtype=None)
-    except Exception as error:
         # Some kernels (e.g. grouped MoE matmuls) accept only bf16, even on
         # meta; the dtype does not change the structure we record.
-        trace = box[0] = _Trace()
-        try:
-            _run_on_meta(lm, trace, with_padding=with_padding, dtype=torch.bfloat16)
-        except Exception:  # any failure means we cannot understand the model
-            raise ValueError(f"cannot trace {type(lm).__name__} on the meta device: {error!r}") from error
+        for with_cache, dtype in ((True, None), (True, torch.bfloat16), (False, None), (False, torch.bfloat16)):
+            box[0] = _Trace()
+            try:
+                _run_on_meta(lm, box[0], with_padding=with_padding, dtype=dtype, with_cache=with_cache)
+                return box[0]
+            except _TraceRefusal:
+                raise
+            except Exception as error:  # any failure of all attempts means we cannot understand the model
+                if not with_cache and dtype is None:
+                    plain_error = error
     finally:
         for handle in handles:
             handle.remove()
-    return trace
+    raise ValueError(f"cannot trace {type(lm).__name__} on the meta device: {plain_error!r}") from plain_error
 
 
-def _run_on_meta(lm: PreTrainedModel, trace: _Trace, *, with_padding: bool, dtype: torch.dtype | None) -> None:
+def _run_on_meta(
+    lm: PreTrainedModel, trace: _Trace, *, with_padding: bool, dtype: torch.dtype | None, with_cache: bool
+) -> None:
     input_ids = torch.zeros(_TRACE_BATCH, _TRACE_SEQ, dtype=torch.long, device="meta")
     key_mask = torch.ones_like(input_ids) if with_padding else None
     trace.input_mask = key_mask
+    trace.offer_cache = with_cache
     inputs = {"input_ids": input_ids, "attention_mask": key_mask, "use_cache": False}
     with _recording_mask_builders(lm, trace.masks), _autocast_accepting_meta():
         torch.func.functional_call(lm, _meta_state(lm, dtype), (), inputs, strict=False)
@@ -228,6 +249,20 @@ def _on_start(box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, 
     box[0].events.append(("start", path))
 
 
+def _hand_cache(
+    box: list[_Trace], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Hand a ``_TraceCache`` to the first forward (outermost first) that has a ``Cache``-typed parameter."""
+    trace = box[0]
+    if not trace.offer_cache or trace.cache is not None:
+        return None
+    cache = _TraceCache(on_update=lambda: trace.cache_updates.append(len(trace.events)))
+    handed = _with_cache(module.forward, args, kwargs, cache)
+    if handed is not None:
+        trace.cache = cache
+    return handed
+
+
 def _on_end(
     box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> None:
@@ -253,7 +288,11 @@ def _recording_mask_builders(lm: nn.Module, records: list[_MaskCall]) -> Iterato
         for attr, value in list(namespace.items()):
             if _is_mask_builder(value):
                 namespace[attr] = _mask_recorder(value, records)
-                patched.append((namespace, attr, value))
+            elif _is_legacy_bidirectional_builder(value):
+                namespace[attr] = _refuser(value)
+            else:
+                continue
+            patched.append((namespace, attr, value))
     try:
         yield
     finally:
@@ -274,6 +313,33 @@ def _is_mask_builder(value: Any) -> bool:
         and value.__module__ == "transformers.masking_utils"
         and value.__name__.startswith("create_")
     )
+
+
+def _is_legacy_bidirectional_builder(value: Any) -> bool:
+    # Models older than masking_utils (e.g. BERT on transformers 4.5x) build
+    # their 4-D masks with these; the non-causal ones read mask values, which
+    # the meta device cannot, so the trace would fail without saying why.
+    return (
+        inspect.isfunction(value)
+        and value.__module__ == "transformers.modeling_attn_mask_utils"
+        and value.__name__.startswith("_prepare_4d")
+        and "causal" not in value.__name__
+    )
+
+
+class _TraceRefusal(ValueError):
+    """Raised while tracing when what the model does settles that it cannot be split."""
+
+
+def _refuser(builder: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(builder)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _TraceRefusal(
+            f"the model builds a bidirectional attention mask ({builder.__name__}); only causal decoder-only "
+            "models can be split (encoder-only models are not causal LMs)"
+        )
+
+    return refuse
 
 
 def _mask_recorder(builder: Callable[..., Any], records: list[_MaskCall]) -> Callable[..., Any]:

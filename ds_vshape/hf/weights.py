@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,15 +26,20 @@ __all__ = [
     "_load",
     "_materialise",
     "_parameters_on_meta",
+    "_stored_name_converter",
 ]
 
 # ---------------------------------------------------------------------- weights
 
 
 class _Checkpoint:
-    """Reads selected tensors from a local safetensors checkpoint (single file or sharded)."""
+    """Reads selected tensors from a local safetensors checkpoint (single file or sharded).
 
-    def __init__(self, directory: Path, *, strip_prefix: str) -> None:
+    ``rename`` maps a stored name to the model's (transformers 5 renames some on load,
+    e.g. GPT-NeoX's ``embed_out`` to ``lm_head``); default: names are the model's.
+    """
+
+    def __init__(self, directory: Path, *, strip_prefix: str, rename: Callable[[str], str] | None = None) -> None:
         self.directory = directory
         self._strip = strip_prefix + "."
         index = directory / "model.safetensors.index.json"
@@ -49,6 +54,8 @@ class _Checkpoint:
             raise ValueError(
                 f"{directory} has no model.safetensors[.index.json]; only safetensors can be read per layer"
             )
+        renamed = {(rename(key) if rename else key): key for key in self._files}
+        self._by_model_name = {name: stored for name, stored in renamed.items() if name != stored}
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Tensors for those ``keys`` present in the checkpoint, each read from disk once."""
@@ -65,12 +72,29 @@ class _Checkpoint:
         return found
 
     def _stored_name(self, key: str) -> str | None:
+        if key in self._by_model_name:
+            return self._by_model_name[key]
         if key in self._files:
             return key
         # Base-model checkpoints (e.g. saved from LlamaModel) lack the prefix.
         if key.startswith(self._strip) and key[len(self._strip) :] in self._files:
             return key[len(self._strip) :]
         return None
+
+
+def _stored_name_converter(lm: PreTrainedModel) -> Callable[[str], str] | None:
+    """How transformers renames this model's stored weights on load, or None (4.5x: it does not)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    renamings = [t for t in get_model_conversion_mapping(lm) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return None
+    # Converters (e.g. merging experts) would need whole tensors of other layers: not applied,
+    # so such checkpoints fail in _load naming the weights they lack.
+    return lambda key: rename_source_key(key, renamings, [])[0]
 
 
 @contextlib.contextmanager

@@ -22,18 +22,18 @@ from ..schedules import F, Kind, Schedule
 from ..schedules.lowering import programs
 from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
-from . import checkpoint as ckpt
-from . import instructions as ins
-from .comm import ACT, GRAD, P2P, Recv
-from .p2p_groups import neighbour_pairs, pair_groups
-from .memory import ActivationMeter
-from .offload import Offloader
-from .precision import scale_loss
-from .seq_chunks import SeqChunks
-from .split_backward import WeightGradStore, enable_split_backward
-from .step import OptimizerStepMixin
-from .zero import whole_parameters
-from .zero_engine import ZeroPipelineMixin
+from .dropin import checkpoint as ckpt
+from .program import instructions as ins
+from .transfers.comm import ACT, GRAD, P2P, Recv
+from .transfers.p2p_groups import neighbour_pairs, pair_groups
+from .measuring.memory import ActivationMeter
+from .offload.offloader import Offloader
+from .step_end.precision import scale_loss
+from .program.seq_chunks import SeqChunks
+from .split.split_backward import WeightGradStore, enable_split_backward
+from .step_end.step import OptimizerStepMixin
+from .zero.zero import whole_parameters
+from .zero.zero_engine import ZeroPipelineMixin
 
 __all__ = ["VShapeEngine"]
 
@@ -52,9 +52,9 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
         ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
         information and check the global norm later, and after ``speculate_after`` steps
-        that stood, start the next step before the check arrives (``runtime/post_validation.py``);
-        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload.py``);
-        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/seq_chunks.py``)."""
+        that stood, start the next step before the check arrives (``runtime/step_end/post_validation.py``);
+        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload``);
+        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/program/seq_chunks.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -324,7 +324,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=True)
 
-    # ---- checkpoints: optimizer state by global layer and name (see runtime/checkpoint.py) ----
+    # ---- checkpoints: optimizer state by global layer and name (see runtime/dropin/checkpoint.py) ----
     def _save_checkpoint(self, save_dir: str, tag: Any, client_state: Any = None, exclude_frozen_parameters: bool = False) -> None:
         self.settle()  # never save a step that post-validation may still undo
         # The layer files take each parameter whole: under ZeRO-3 they would be saved as empty shards.

@@ -7,7 +7,7 @@ Two checks over every rank's ops (``programs``):
   the i-th send with the i-th receive regardless of tags, so anything else misroutes data.
 * **progress**: an event-driven run of what the runtime issues finishes. Each communicator
   is one stream per rank (torch's ProcessGroupNCCL), on which entries run in issue order,
-  each to completion before the next; the runtime (``runtime/comm.py``) gives every pair of
+  each to completion before the next; the runtime (``runtime/transfers/comm.py``) gives every pair of
   ranks a 2-rank group of its own and batches every operation on it, so by default a rank
   has one stream per peer (``communicator=pair_communicator``). An entry is one operation
   or one group (``Op.with_next``); a send completes only together with its receive

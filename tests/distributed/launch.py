@@ -20,25 +20,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODE_ENV = "DS_VSHAPE_TEST_NCCL"  # the emulation mode of launches that do not name one: eager (default), lazy or off
+
+
+def default_mode() -> str | None:
+    """What a launch that names no mode runs under: NCCL's eager rules unless the env says otherwise."""
+    mode = os.environ.get(MODE_ENV, "eager")
+    if mode not in ("eager", "lazy", "off"):
+        raise ValueError(f"{MODE_ENV} must be eager, lazy or off, got {mode!r}")
+    return None if mode == "off" else mode
+
+
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
-           nccl: bool = False, backend: str = "gloo") -> list[dict[str, Any]]:
+           nccl: bool | str | None = None, backend: str = "gloo") -> list[dict[str, Any]]:
     """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
 
-    ``nccl=True`` runs the ranks under tests/distributed/nccl_emulation.py: gloo with NCCL's
-    point-to-point rules (tags ignored, one ordered queue per pair, rendezvous sends).
-    ``backend="nccl"`` is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's
-    accelerator left to detect CUDA.
+    ``nccl="eager"`` or ``"lazy"`` runs the ranks under tests/distributed/nccl_emulation: gloo
+    with NCCL's rules (one ordered queue per communicator, tags ignored, rendezvous sends) in
+    that init mode; ``nccl=True`` means "eager" (DeepSpeed's mode on GPUs). ``backend="nccl"``
+    is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's accelerator left to
+    detect CUDA.
     """
-    if backend not in ("gloo", "nccl") or (nccl and backend != "gloo"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl' (emulation only on gloo), got {backend!r}, nccl={nccl}")
+    if nccl is None:  # users run NCCL: every engine test obeys its rules unless it says otherwise
+        nccl = default_mode() if backend == "gloo" else False
+    mode = "eager" if nccl is True else nccl or None
+    if backend not in ("gloo", "nccl") or mode not in (None, "eager", "lazy") or (mode and backend != "gloo"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', nccl False, True, 'eager' or 'lazy' (emulation only on "
+                         f"gloo); got backend={backend!r}, nccl={nccl!r}")
     workdir.mkdir(parents=True, exist_ok=True)
     cases_file = workdir / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TMPDIR=str(workdir))
     env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
-    if nccl:
-        env["DS_VSHAPE_NCCL_EMULATION"] = "1"
+    if mode:
+        env["DS_VSHAPE_NCCL_EMULATION"] = mode
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]

@@ -1,28 +1,69 @@
-"""Self-checks of the NCCL emulation (nccl_emulation.py) on real gloo ranks (run from worker.py).
+"""Self-checks of the NCCL emulation (tests/distributed/nccl_emulation) on 4 real gloo ranks.
 
-Ranks 0 and 1 check the four rules; ranks 2 and 3, when the launch has them, show that the
-per-pair queue alone deadlocks two ranks that both receive before they send. Each check
-returns what it saw; the pytest side asserts. The deadlock checks wedge their pair for good,
-so they run last and this case must be the launch's last.
+Run from worker.py. ``run_stock_control`` trains stock DeepSpeed 1F1B (``deepspeed.initialize``
+on a ``deepspeed.pipe.PipelineModule``, no ds_vshape) with the emulation off, eager or lazy.
+``run_nccl_selfcheck`` shows that the emulation behaves as torch's ProcessGroupNCCL: what one
+queue per communicator holds back, what a batch lets through, where lazy init's pair
+communicators part ways. Each check returns what it saw; the pytest side asserts. Every check
+uses fresh process groups, so a communicator one wedges (as NCCL would) stays out of the
+others' way; the wedging checks run last, and this case must be the launch's last.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+import deepspeed
 import deepspeed.comm as ds_comm
 
 from tests.distributed import nccl_emulation
+from tests.distributed.worker import _build, _config, _data, _param_diff, _reference
 
-__all__ = ["run_nccl_selfcheck"]
+__all__ = ["run_nccl_selfcheck", "run_stock_control"]
 
 BIG = 1 << 22  # 16 MiB of float32: far past any eager-send threshold
 WAIT_S = 20.0  # for ops that must complete
-DEADLOCK_WAIT_S = 3.0  # for ops that must not
+HOLD_S = 2.0  # how long an op that must be held back is watched (it cannot complete causally)
+DEADLOCK_S = 3.0  # the emulation's timeout in the wedging checks
+
+
+def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
+    """Stock DeepSpeed 1F1B under ``case["emulation"]`` ("off", "eager", "lazy") vs the reference."""
+    if case["emulation"] == "off":
+        nccl_emulation.uninstall()
+    else:
+        nccl_emulation.install(mode=case["emulation"])
+    p, m, steps = case["p"], case["m"], case.get("steps", 2)
+    model, ref, loss_fn = _build(case, p)
+    engine, *_ = deepspeed.initialize(model=model, config=_config(dict(case, schedule=None), m))
+    data = _data(case, steps, m)
+    it = iter(data)
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    return {"installed": nccl_emulation.installed(), "mode": nccl_emulation.mode(), "losses": losses,
+            "ref_losses": _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case["clip"]),
+            "param_diff": _param_diff(engine, ref, case)}
+
+
+def _post(kind: str, tensor: torch.Tensor, peer: int, group: Any, *, batched: bool) -> Any:
+    """One op, unbatched or as a batch of one; its Work."""
+    fn = dist.isend if kind == "send" else dist.irecv
+    if batched:
+        (work,) = dist.batch_isend_irecv([dist.P2POp(fn, tensor, peer, group)])
+        return work
+    return fn(tensor, peer, group=group)
+
+
+def _completes(work: Any, seconds: float) -> str | None:
+    """None when ``work`` completed within ``seconds``, else the emulation's error."""
+    try:
+        work.wait(timeout=seconds)
+        return None
+    except RuntimeError as err:
+        return str(err)
 
 
 def _tags_ignored(me: int) -> dict[str, Any]:
@@ -41,66 +82,155 @@ def _tags_ignored(me: int) -> dict[str, Any]:
     return {"work_type": type(works[0]).__name__, "received": [b[0].item() for b in bufs], "recv_returned": src}
 
 
-def _pair_order(me: int) -> dict[str, Any]:
-    """Rank 0 posts irecv then isend; rank 1 answers a second later with one batch."""
-    mine, theirs = torch.full((4,), float(me + 10)), torch.zeros(4)
+def _batch_work(me: int) -> dict[str, Any]:
+    """(e) one Work for a batch of four ops; (c) a crossed exchange of big tensors in it completes."""
+    peer = 1 - me
+    out, small, into, back = torch.full((BIG,), float(me)), torch.full((2,), me + 0.5), torch.empty(BIG), torch.empty(2)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer),
+                                    dist.P2POp(dist.isend, small, peer), dist.P2POp(dist.irecv, back, peer)])
+    error = _completes(works[0], WAIT_S)
+    return {"works": len(works), "work_type": type(works[0]).__name__, "error": error,
+            "received_ok": bool((into == float(peer)).all()) and back.tolist() == [peer + 0.5] * 2}
+
+
+def _hold(me: int, groups: Callable[[list[int]], Any], *, batched: bool, same_group: bool) -> dict[str, Any]:
+    """(a)/(b) Rank 0 posts a receive from rank 1, then a send to rank 2; rank 1 sends only once
+    rank 2 has watched its receive for HOLD_S. Returns whether rank 2 got the data before that."""
+    trio = groups([0, 1, 2])
+    recv_group, send_group = (trio, trio) if same_group else (groups([0, 1]), groups([0, 2]))
+    got: dict[str, Any] = {}
+    if me == 0:
+        recv = _post("recv", torch.zeros(2), 1, recv_group, batched=batched)
+        send = _post("send", torch.full((2,), 7.0), 2, send_group, batched=batched)
+    elif me == 2:
+        buf = torch.zeros(2)
+        work = _post("recv", buf, 0, send_group, batched=batched)
+        got["before_release"] = _completes(work, HOLD_S) is None
+    _sync()
     if me == 1:
-        time.sleep(1.0)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 0), dist.P2POp(dist.irecv, theirs, 0)]):
-            work.wait(timeout=WAIT_S)
-        return {"received": theirs.tolist()}
-    start = time.monotonic()
-    recv, send = dist.irecv(theirs, 1), dist.isend(mine, 1)
-    done: dict[str, float] = {}
-    send_before_recv = False
-    while len(done) < 2 and time.monotonic() - start < WAIT_S:
-        recv_done, send_done = recv.is_completed(), send.is_completed()  # recv read first: no false alarm
-        send_before_recv |= send_done and not recv_done
-        for name, flag in (("recv", recv_done), ("send", send_done)):
-            if flag and name not in done:
-                done[name] = time.monotonic() - start
-        time.sleep(0.001)
-    recv.wait(timeout=WAIT_S)
-    send.wait(timeout=WAIT_S)
-    return {"received": theirs.tolist(), "done_after_s": done, "send_before_recv": send_before_recv}
+        _post("send", torch.full((2,), 1.0), 0, recv_group, batched=batched).wait(timeout=WAIT_S)
+    elif me == 0:
+        got["error"] = _completes(recv, WAIT_S) or _completes(send, WAIT_S)
+    elif me == 2:
+        got["error"] = _completes(work, WAIT_S)
+        got["received"] = buf.tolist()
+    return got
 
 
-def _batched_exchange(me: int, peer: int) -> dict[str, Any]:
-    """Both ranks send a big tensor to each other in one group: no deadlock (rule 4)."""
-    out, into = torch.full((BIG,), float(me)), torch.empty(BIG)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)])
-    for work in works:
-        work.wait(timeout=WAIT_S)
-    return {"completed": all(w.is_completed() for w in works), "received_ok": bool((into == float(peer)).all())}
+def _header_meets(me: int, groups: Callable[[list[int]], Any], *, wait_s: float) -> dict[str, Any] | None:
+    """(d) Rank 0 sends a header in a batch; rank 1 receives it unbatched on the same group."""
+    pair = groups([0, 1])
+    if me == 0:
+        return {"error": _completes(_post("send", torch.full((4,), 3.0), 1, pair, batched=True), wait_s)}
+    if me == 1:
+        buf = torch.zeros(4)
+        return {"error": _completes(_post("recv", buf, 0, pair, batched=False), wait_s), "received": buf.tolist()}
+    return None
 
 
-def _deadlock(me: int, peer: int, *, send_first: bool, size: int) -> dict[str, Any]:
-    """Both ranks issue the same two plain ops to each other: NCCL hangs, so must we."""
+def _crossed(me: int, peer: int, group: Any, *, send_first: bool, size: int) -> dict[str, Any]:
+    """(c) Two ranks exchange with plain ops in the same order: NCCL hangs, so must we. Send
+    first (big, blocking): rendezvous hangs it. Receive first (small, both posted before any
+    wait): every receive is posted, yet the ordered queue hangs it (gloo alone would not)."""
     out, into = torch.full((size,), float(me)), torch.empty(size)
-    if send_first:
-        first, second = dist.isend(out, peer), dist.irecv(into, peer)
-    else:
-        first, second = dist.irecv(into, peer), dist.isend(out, peer)
     try:
-        first.wait(timeout=DEADLOCK_WAIT_S)
-        error = None
+        if send_first:
+            dist.send(out, peer, group=group)  # blocking: the emulation's timeout applies
+            dist.recv(into, peer, group=group)
+        else:
+            first, second = dist.irecv(into, peer, group=group), dist.isend(out, peer, group=group)
+            first.wait(timeout=DEADLOCK_S)
+            second.wait(timeout=DEADLOCK_S)
+        return {"error": None}
     except RuntimeError as err:
-        error = str(err)
-    return {"error": error, "second_completed": second.is_completed()}
+        return {"error": str(err)}
+
+
+def _collective_behind(me: int, groups: Callable[[list[int]], Any], *, batched: bool, expect_held: bool) -> dict[str, Any] | None:
+    """(f) Rank 0 posts a receive from rank 1 on a group, then ranks 0-2 all-reduce on it. The
+    control all-reduce on a fresh group shows the three ranks can all-reduce."""
+    control, trio = groups([0, 1, 2]), groups([0, 1, 2])
+    if me == 3:
+        return None
+    ones = torch.ones(2)
+    dist.all_reduce(ones, group=control)
+    recv = _post("recv", torch.zeros(2), 1, trio, batched=batched) if me == 0 else None
+    total = torch.full((2,), float(me))
+    work = dist.all_reduce(total, group=trio, async_op=True)
+    result = {"control": ones.tolist(), "error": _completes(work, HOLD_S if expect_held else WAIT_S)}
+    if not expect_held:  # lazy unbatched: the receive is on a pair communicator of its own
+        if me == 1:
+            _post("send", torch.ones(2), 0, trio, batched=False).wait(timeout=WAIT_S)
+        if me == 0:
+            result["recv_error"] = _completes(recv, WAIT_S)
+        result["sum"] = total.tolist()
+    return result
+
+
+_SYNC: Any = None
+
+
+def _sync() -> None:
+    """All four ranks meet (a barrier on a group nothing else uses, so never wedged; its own
+    timeout, as the emulation's is short in the wedging checks)."""
+    dist.barrier(group=_SYNC, async_op=True).wait(timeout=3 * WAIT_S)
+
+
+def _run(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each check, then all ranks meet: a check that raises on one rank (a broken emulation)
+    is recorded and costs its peers a timeout, not the checks after it."""
+    out: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            out[name] = check()
+        except Exception as err:  # recorded; the pytest side names it
+            out[name] = {"raised": f"{type(err).__name__}: {err}"}
+        _sync()
+    return out
+
+
+def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
+    """The checks that leave no communicator wedged."""
+    nccl_emulation.install(mode=mode, timeout_s=WAIT_S)
+    checks: dict[str, Callable[[], Any]] = {}
+    if me < 2:
+        checks.update(tags=lambda: _tags_ignored(me), batch=lambda: _batch_work(me))
+    for batched in (False, True):
+        for same in (True, False):
+            name = f"hold-{'batched' if batched else 'unbatched'}-{'same' if same else 'two'}-groups"
+            checks[name] = functools.partial(_hold, me, groups, batched=batched, same_group=same)
+    if mode == "eager":
+        checks["header"] = functools.partial(_header_meets, me, groups, wait_s=WAIT_S)
+    else:
+        checks["collective-unbatched"] = functools.partial(_collective_behind, me, groups, batched=False, expect_held=False)
+    if me >= 2:  # every rank runs as many checks (each ends in a _sync)
+        checks = {"tags": lambda: None, "batch": lambda: None, **checks}
+    return _run(checks)
+
+
+def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
+    """The checks that wedge a communicator for good (timeouts, short)."""
+    _sync()
+    nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S)
+    pairs = groups([0, 1]), groups([2, 3])
+    checks: dict[str, Callable[[], Any]] = {
+        "crossed": functools.partial(_crossed, me, me ^ 1, pairs[me // 2], send_first=me < 2, size=BIG if me < 2 else 4)}
+    if mode == "lazy":
+        checks["header"] = functools.partial(_header_meets, me, groups, wait_s=DEADLOCK_S)
+    checks["collective"] = functools.partial(_collective_behind, me, groups, batched=mode == "lazy", expect_held=True)
+    return _run(checks)
 
 
 def run_nccl_selfcheck(case: dict[str, Any]) -> dict[str, Any]:
+    """Both modes' checks, then both modes' wedging checks; needs exactly 4 ranks."""
+    global _SYNC
     me = dist.get_rank()
-    result: dict[str, Any] = {"installed": nccl_emulation.installed()}
-    if me >= 4:
-        return result
-    peer = me ^ 1
-    if me < 2:
-        result["tags"] = _tags_ignored(me)
-        result["order"] = _pair_order(me)
-        result["batched"] = _batched_exchange(me, peer)
-        result["deadlock"] = _deadlock(me, peer, send_first=True, size=BIG)
-    elif peer < dist.get_world_size():
-        # Small tensors and receives posted first: only the per-pair queue (rule 2) hangs this.
-        result["deadlock"] = _deadlock(me, peer, send_first=False, size=4)
+    if dist.get_world_size() != 4:
+        raise ValueError(f"rank {me}: the NCCL emulation self-check needs 4 ranks, got {dist.get_world_size()}")
+    _SYNC = dist.new_group([0, 1, 2, 3])
+    groups = dist.new_group  # every rank makes every group, in the same order
+    result: dict[str, Any] = {mode: _run_mode(me, mode, groups) for mode in nccl_emulation.MODES}
+    for mode in nccl_emulation.MODES:
+        result[f"{mode}-wedged"] = _run_wedging(me, mode, groups)
+    result["installed"] = nccl_emulation.installed()
     return result

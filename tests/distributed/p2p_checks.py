@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_vshape.runtime.comm import ACT, GRAD, P2P, Recv
-from ds_vshape.runtime.p2p_groups import pair_groups
+from ds_vshape.runtime.transfers.comm import ACT, GRAD, P2P, Recv
+from ds_vshape.runtime.transfers.p2p_groups import pair_groups
 
 
 def _p2p(*, dynamic: bool = False) -> P2P:

@@ -48,6 +48,8 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
          "pipeline": {"use_reentrant": False}},
         {"name": "bw-trace-tied-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "tied": True, "layers": 6, "bw_trace": True},
         {"name": "bw-trace-tied-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "tied": True, "layers": 6, "bw_trace": True},
+        {"name": "custom-fn-zb-h1", "schedule": "zb-h1", "p": 2, "m": 4, "custom": True, "bw_trace": True},
+        {"name": "custom-fn-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "custom": True, "bw_trace": True},
         {"name": "ckpt-interval-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "ckpt": 1, "layerspec": True},
         {"name": "layerspec-v-min", "schedule": "v-min", "p": 2, "m": 4, "layerspec": True},
         {"name": "zero1-v-half", "schedule": "v-half", "p": 2, "m": 4, "zero": 1},
@@ -90,7 +92,8 @@ def results_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("p4")
-    return _by_case(launch(_parity_cases(4) + _extra_cases_p4(), 4, tmp))
+    # Every schedule's p=4 parity runs in test_nccl_mode.py, under both NCCL init modes.
+    return _by_case(launch(_extra_cases_p4(), 4, tmp))
 
 
 def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -110,11 +113,6 @@ def test_parity_p2(results_p2: dict, case: str) -> None:
     _assert_parity(case, results_p2[case])
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(4)])
-def test_parity_p4(results_p4: dict, case: str) -> None:
-    _assert_parity(case, results_p4[case])
-
-
 @pytest.mark.parametrize("case", ["tied-1f1b", "tied-v-half", "ckpt-interval-zb-h1", "ckpt-interval-v-zb", "ckpt-nonreentrant-zb-h1",
                                   "layerspec-v-min", "zero1-v-half", "shape-per-step-v-zb", "shape-dynamic-v-half"])
 def test_features_p2(results_p2: dict, case: str) -> None:
@@ -126,16 +124,18 @@ def test_features_p4(results_p4: dict, case: str) -> None:
     _assert_parity(case, results_p4[case])
 
 
-@pytest.mark.parametrize("case", ["bw-trace-tied-zb-h1", "bw-trace-tied-v-zb", "ckpt-interval-zb-h1", "ckpt-nonreentrant-zb-h1"])
+@pytest.mark.parametrize("case", ["bw-trace-tied-zb-h1", "bw-trace-tied-v-zb", "ckpt-interval-zb-h1", "ckpt-nonreentrant-zb-h1",
+                                  "custom-fn-zb-h1", "custom-fn-v-zb"])
 def test_weight_gradients_land_at_w_not_at_b(results_p2: dict, case: str) -> None:
-    """Every trainable parameter (Linear, LayerNorm, the embedding and its tied head) waits for W."""
+    """Every trainable weight (Linear, a custom autograd Function's, the embedding and its tied head)
+    waits for W; the cheap ones (LayerNorm's, biases) are B's by design."""
     _assert_parity(case, results_p2[case])
     # The first stage has no input gradient to compute: zb-h1 gives it fused backwards.
     assert {e[0] for res in results_p2[case] for e in res["bw_trace"]} == {"B", "W"}
     for rank, res in enumerate(results_p2[case]):
-        for kind, stage, micro_batch, changed, total in res["bw_trace"]:
-            want = 0 if kind == "B" else total
-            assert total > 0 and changed == want, f"{case} rank {rank}: {kind} of stage {stage} micro-batch {micro_batch} changed {changed}/{total} grads"
+        for kind, stage, micro_batch, changed, total, cheap in res["bw_trace"]:
+            want = cheap if kind == "B" else total - cheap
+            assert total > cheap and changed == want, f"{case} rank {rank}: {kind} of stage {stage} micro-batch {micro_batch} changed {changed}/{total} grads ({cheap} cheap)"
 
 
 def test_transfers_carry_shapes_once_per_step_in_the_pair_order(results_p2: dict) -> None:
@@ -185,7 +185,12 @@ def test_sends_are_released_during_the_step(results_p4: dict) -> None:
     """Bytes in flight peak at the same level whatever m: sends do not wait for the step's end."""
     small, large = results_p4["inflight-v-zb-m8"], results_p4["inflight-v-zb-m32"]
     _assert_parity("inflight-v-zb-m32", large)
-    assert [r["peak_inflight_bytes"] for r in large] == [r["peak_inflight_bytes"] for r in small]
+    # The release rule (a later receive from the same peer completed) bounds what is held
+    # whatever m; a backend reporting completions earlier only lowers a peak, and under the
+    # NCCL emulation completions arrive asynchronously, so the peaks may differ a little.
+    # Sends held to the end of the step would make m=32's peak about 4x m=8's.
+    for rank, (lg, sm) in enumerate(zip(large, small)):
+        assert lg["peak_inflight_bytes"] <= 1.25 * sm["peak_inflight_bytes"], (rank, lg["peak_inflight_bytes"], sm["peak_inflight_bytes"])
     assert all(r["peak_inflight_bytes"] > 0 for r in large)
 
 

@@ -79,7 +79,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
 
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4")))
+    return _by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4"), nccl="lazy"))
 
 
 def _ok(name: str, ranks: list[dict[str, Any]]) -> None:

@@ -1,11 +1,15 @@
-"""Under NCCL's p2p rules (emulated on gloo): the control, every schedule, failures.
+"""Under NCCL's rules (emulated on gloo, tests/distributed/nccl_emulation): the emulation's own
+checks, the control, every ds_vshape schedule.
 
-One launch at 4 ranks under ``launch(..., nccl=True)``: stock DeepSpeed 1F1B (the control: it
-runs on NCCL in production, so it must run here) at PP=4 and PP2xDP2; every ds_vshape
-schedule at PP=4 and PP2xDP2 against the non-pipelined reference; in-flight transfer bytes
-at m=8 and m=32; then the emulator's own checks, last because their deadlock checks wedge
-the pairs they use. One launch at 2 ranks: every schedule at p=2, then a step that fails
-(last: it wedges its pair, as it would under NCCL), after which the engine must refuse.
+The emulation launch (4 ranks): stock DeepSpeed 1F1B (the control: it runs on NCCL in
+production, so it must run here) at PP=4 and PP2xDP2 on plain gloo, then eager, then lazy;
+then the self-checks, which show the emulation does what torch's ProcessGroupNCCL does.
+The ds_vshape launches: every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined
+reference under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init),
+with in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules (the
+eager p=2 run is test_engine's, whose launches run under the eager emulation by default)
+and a step that fails (last: it wedges its communicator, as it would under NCCL), after
+which the engine must refuse.
 """
 
 from __future__ import annotations
@@ -15,16 +19,17 @@ from typing import Any
 import pytest
 
 from .launch import launch
-from .test_engine import RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases
+from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases,
+                          test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
 pytestmark = pytest.mark.distributed
 
-# Stock DeepSpeed clips per stage, not globally: clipping off keeps the reference exact.
-CONTROL_CASES = [
-    {"name": "stock-1f1b-p4-m4", "schedule": None, "p": 4, "m": 4, "clip": 0.0},
-    {"name": "stock-1f1b-p4-m8", "schedule": None, "p": 4, "m": 8, "clip": 0.0},
-    {"name": "stock-1f1b-pp2xdp2-m4", "schedule": None, "p": 2, "m": 4, "clip": 0.0},
-]
+# The control: stock DeepSpeed (deepspeed.initialize, no ds_vshape), plain gloo first. Stock
+# DeepSpeed clips per stage, not globally: clipping off keeps the reference exact.
+EMULATIONS = ("off", "eager", "lazy")
+SHAPES = {"p4": 4, "pp2xdp2": 2}
+CONTROL_CASES = [{"name": f"control-{emu}-{shape}", "nccl_control": True, "emulation": emu, "p": p, "m": 4, "clip": 0.0}
+                 for emu in EMULATIONS for shape, p in SHAPES.items()]
 
 
 # PP2xDP2: p=2 on 4 ranks, each schedule at its smallest m of at least 4.
@@ -37,17 +42,29 @@ INFLIGHT_CASES = [
 FAILED_STEP = {"name": "failed-step", "schedule": "v-half", "p": 2, "m": 4, "fail_step": True, "pipeline": {"p2p_timeout_s": 3}}
 
 
-@pytest.fixture(scope="module")
-def nccl_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    tmp = tmp_path_factory.mktemp("nccl_p4")
-    cases = CONTROL_CASES + _parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES + [{"name": "selfcheck", "nccl_selfcheck": True}]
-    return _by_case(launch(cases, 4, tmp, nccl=True))
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
+    return _by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param))
+
+
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
+    return _by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param))
 
 
 @pytest.fixture(scope="module")
 def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nccl_p2")
-    return _by_case(launch(_parity_cases(2) + [FAILED_STEP], 2, tmp, nccl=True))
+    checkpoint = {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
+                  "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}}
+    return _by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy"))
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
+def test_every_schedule_under_nccl_rules_p3(nccl_p3: dict, case: str) -> None:
+    _assert_parity(case, nccl_p3[case])
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(2)])
@@ -77,6 +94,10 @@ def test_bytes_in_flight_do_not_grow_with_micro_batches(nccl_p4: dict, name: str
         assert 0 < b["peak_inflight_bytes"] <= 2 * a["peak_inflight_bytes"], (rank, a["peak_inflight_bytes"], b["peak_inflight_bytes"])
 
 
+def test_checkpoint_from_1f1b_loads_under_v_half_under_lazy_rules(nccl_p2: dict) -> None:
+    _assert_checkpoint_moves(nccl_p2)
+
+
 def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2: dict) -> None:
     for rank, res in enumerate(nccl_p2["failed-step"]):
         assert "errors" in res, res
@@ -86,50 +107,103 @@ def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2:
         assert f"pipeline rank {rank}" in second and "earlier train/eval step failed" in second, second
 
 
-def _ok(res: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in res, f"{res['error']}\n{res.get('traceback', '')}"
+
+
+@pytest.fixture(scope="module")
+def emulation(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("nccl_emulation")
+    return _by_case(launch(CONTROL_CASES + [{"name": "selfcheck", "nccl_selfcheck": True}], 4, tmp, nccl="eager"))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("emu", ["eager", "lazy"])
+def test_stock_deepspeed_1f1b_trains_under_nccl_rules(emulation: dict, emu: str, shape: str) -> None:
+    name, plain_name = f"control-{emu}-{shape}", f"control-off-{shape}"
+    _assert_parity(name, emulation[name])
+    _assert_parity(plain_name, emulation[plain_name])
+    for rank, (res, plain) in enumerate(zip(emulation[name], emulation[plain_name])):
+        assert res["installed"] and res["mode"] == emu and not plain["installed"], (rank, res, plain)
+        assert res["losses"] == plain["losses"], f"{name} rank {rank}: {res['losses']} vs plain gloo {plain['losses']}"
+
+
+def _check(emulation: dict, rank: int, *keys: str) -> Any:
+    res = emulation["selfcheck"][rank]
+    assert "error" not in res, f"rank {rank}: {res['error']}\n{res.get('traceback', '')}"
     assert res["installed"], "the emulation was not installed on this rank"
+    for key in keys:
+        res = res[key]
+        assert not (isinstance(res, dict) and "raised" in res), f"rank {rank}, {'/'.join(keys)}: {res['raised']}"
     return res
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in CONTROL_CASES])
-def test_stock_deepspeed_1f1b_runs_under_nccl_rules(nccl_p4: dict, case: str) -> None:
-    _assert_parity(case, nccl_p4[case])
+def _timed_out(error: str | None, *needles: str) -> None:
+    assert error is not None, "completed, but NCCL would hang here"
+    for needle in ("nccl_emulation", "timed out", *needles):
+        assert needle in error, error
 
 
-def test_tags_are_ignored_and_deepspeed_comm_is_emulated(nccl_p4: dict) -> None:
-    sender, receiver = (_ok(r)["tags"] for r in nccl_p4["selfcheck"][:2])
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_tags_are_ignored_and_deepspeed_comm_is_emulated(emulation: dict, mode: str) -> None:
+    sender, receiver = (_check(emulation, r, mode, "tags") for r in (0, 1))
     assert sender["work_type"] == receiver["work_type"] == "EmulatedWork"
     # Posted with tags 7, 5, 11 against sends tagged 5, 7, 9: matched by order alone.
-    assert receiver["received"] == [1.0, 2.0, 3.0]
-    assert receiver["recv_returned"] == 0
+    assert receiver["received"] == [1.0, 2.0, 3.0] and receiver["recv_returned"] == 0
 
 
-def test_a_pair_runs_its_ops_in_issue_order(nccl_p4: dict) -> None:
-    first, second = (_ok(r)["order"] for r in nccl_p4["selfcheck"][:2])
-    assert first["received"] == [11.0] * 4 and second["received"] == [10.0] * 4
-    assert not first["send_before_recv"], first
-    assert first["done_after_s"]["send"] >= first["done_after_s"]["recv"], first
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_batch_is_one_work_and_a_crossed_exchange_in_it_completes(emulation: dict, mode: str) -> None:
+    for rank in (0, 1):
+        got = _check(emulation, rank, mode, "batch")
+        assert got == {"works": 1, "work_type": "EmulatedWork", "error": None, "received_ok": True}, (rank, got)
 
 
-def test_a_batched_exchange_of_big_tensors_completes(nccl_p4: dict) -> None:
-    for res in nccl_p4["selfcheck"][:2]:
-        assert _ok(res)["batched"] == {"completed": True, "received_ok": True}
+# Whether rank 0's receive from rank 1 holds back its later send to rank 2: on one communicator
+# it does. Eager: one per group. Lazy: a batch uses the group's, an unbatched op its pair's.
+HELD = {("eager", "unbatched", "same"): True, ("eager", "batched", "same"): True,
+        ("lazy", "unbatched", "same"): False, ("lazy", "batched", "same"): True,
+        **{(mode, kind, "two"): False for mode in ("eager", "lazy") for kind in ("unbatched", "batched")}}
 
 
+@pytest.mark.parametrize(("mode", "kind", "groups"), list(HELD))
+def test_a_posted_receive_holds_back_later_sends_on_its_communicator(emulation: dict, mode: str, kind: str,
+                                                                    groups: str) -> None:
+    key = f"hold-{kind}-{groups}-groups"
+    target = _check(emulation, 2, mode, key)
+    assert target["before_release"] is not HELD[mode, kind, groups], target
+    for rank in (0, 2):  # once rank 1 sent, everything completes
+        assert _check(emulation, rank, mode, key)["error"] is None, _check(emulation, rank, mode, key)
+    assert target["received"] == [7.0, 7.0]
+
+
+def test_a_header_sent_in_a_batch_meets_an_unbatched_receive_only_under_eager_init(emulation: dict) -> None:
+    sender, receiver = (_check(emulation, r, "eager", "header") for r in (0, 1))
+    assert sender["error"] is None and receiver == {"error": None, "received": [3.0] * 4}, (sender, receiver)
+    sender, receiver = (_check(emulation, r, "lazy-wedged", "header") for r in (0, 1))
+    _timed_out(sender["error"], "batch_isend_irecv", "to rank 1", "'group ")
+    _timed_out(receiver["error"], "irecv", "from rank 0", "'pair 0-1 of group ")
+    assert receiver["received"] == [0.0] * 4
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 @pytest.mark.parametrize("ranks", [(0, 1), (2, 3)], ids=["send-first-big", "recv-first-small"])
-def test_crossed_plain_ops_time_out_like_nccl_hangs(nccl_p4: dict, ranks: tuple[int, int]) -> None:
-    # (0, 1): both isend before irecv, the classic NCCL deadlock (rendezvous).
-    # (2, 3): both irecv before isend: every receive is posted, yet the ordered queue hangs.
-    # The first rank to time out exits, so its peer may see the connection close before its
-    # own timeout: the exchange must fail on both, and by the emulator's timeout on one.
-    errors = []
+def test_crossed_plain_ops_deadlock_like_nccl(emulation: dict, mode: str, ranks: tuple[int, int]) -> None:
+    # (0, 1): blocking send then receive on both: rendezvous hangs it.
+    # (2, 3): both receives posted before any wait: the ordered queue alone hangs it.
     for rank in ranks:
-        got = _ok(nccl_p4["selfcheck"][rank])["deadlock"]
-        assert got["error"] is not None, f"rank {rank}: the crossed exchange completed"
-        for needle in ("nccl_emulation", f"rank {rank ^ 1}"):
-            assert needle in got["error"], got["error"]
-        assert "timed out" in got["error"] or "closed" in got["error"].lower(), got["error"]
-        assert not got["second_completed"]
-        errors.append(got["error"])
-    assert any("timed out" in e for e in errors), errors
+        _timed_out(_check(emulation, rank, f"{mode}-wedged", "crossed")["error"], f"rank {rank ^ 1}", f"({mode} init)")
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_collective_queues_behind_a_receive_on_its_communicator(emulation: dict, mode: str) -> None:
+    # Eager: an unbatched receive; lazy: a batched one (on the group's communicator).
+    for rank in (0, 1, 2):
+        got = _check(emulation, rank, f"{mode}-wedged", "collective")
+        assert got["control"] == [3.0, 3.0], got  # the three ranks can all-reduce
+        _timed_out(got["error"], "all_reduce")
+
+
+def test_a_lazy_unbatched_receive_does_not_hold_back_the_groups_collective(emulation: dict) -> None:
+    for rank in (0, 1, 2):
+        got = _check(emulation, rank, "lazy", "collective-unbatched")
+        assert got["error"] is None and got["sum"] == [3.0, 3.0], got
+    assert _check(emulation, 0, "lazy", "collective-unbatched")["recv_error"] is None

@@ -1,6 +1,6 @@
 """Optimizer post-validation on real DeepSpeed engines and gloo ranks.
 
-Two launches, both under the NCCL emulation (tags ignored, per-pair issue order): 2 ranks, and
+Two launches, both under the NCCL emulation (eager init: one ordered queue per process group): 2 ranks, and
 4 ranks (a 4-stage pipeline, and 2 stages x 2 data-parallel replicas). Consecutive steps
 overlap, so a transfer of step k+1 may meet a peer still in step k. Plain gloo runs the same
 engine paths in the other distributed tests.
@@ -86,7 +86,7 @@ def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl=True))
+    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl="lazy"))
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,12 @@ RECIPE = ROOT / "recipes" / "train_hf.py"
 RANKS = 2
 
 
-def _train(workdir: Path, *extra: str, timeout: int = 300, config: str = "v-half", ranks: int = RANKS) -> str:
+def _train(workdir: Path, *extra: str, timeout: int = 300, config: str | Path = "v-half", ranks: int = RANKS) -> str:
+    """Run the recipe; ``config`` names a file of ds_configs/ (without .json) or is a path."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+    path = config if isinstance(config, Path) else ROOT / "ds_configs" / f"{config}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-           str(RECIPE), "--deepspeed_config", str(ROOT / "ds_configs" / f"{config}.json"), *extra]
+           str(RECIPE), "--deepspeed_config", str(path), *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     (workdir / f"log-{len(list(workdir.glob('log-*')))}.txt").write_text(log)
@@ -71,6 +73,21 @@ def test_resume_continues_step_count_and_metrics(first_run: tuple[Path, str]) ->
     rows = _rows(work / "m.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert math.isfinite(rows[-1]["loss"])
+
+
+def test_auto_schedule_from_the_readme_trains_to_the_same_losses(first_run: tuple[Path, str], tmp_path: Path) -> None:
+    """The README's "schedule": "auto" with a profiled cut (its sample sized for the recipe's byte vocabulary):
+    measures, switches, reports the choice, and trains the model to the losses V-Half gave it."""
+    config = json.loads((ROOT / "ds_configs" / "v-half.json").read_text())
+    config["pipeline"] = {"schedule": "auto", "partition_method": "profile",
+                          "profile_sample": {"inputs": {"shape": [4, 64], "dtype": "int64", "high": 256}}}
+    (tmp_path / "auto.json").write_text(json.dumps(config))
+    stdout = _train(tmp_path, "--steps", "3", "--no-eval", "--metrics-out", str(tmp_path / "a.jsonl"),
+                    config=tmp_path / "auto.json")
+    summary = json.loads((tmp_path / "a.summary.json").read_text())
+    assert summary["schedule"].startswith("auto: ") and f"schedule                 {summary['schedule']}" in stdout
+    plain = [r["loss"] for r in _rows(first_run[0] / "m.jsonl")][:3]
+    assert [r["loss"] for r in _rows(tmp_path / "a.jsonl")] == pytest.approx(plain, rel=1e-5)
 
 
 def test_seq1f1b_config_trains_long_sequences_in_chunks(tmp_path: Path) -> None:

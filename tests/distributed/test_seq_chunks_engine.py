@@ -1,6 +1,6 @@
 """Sequence chunks (Seq1F1B) in the engine: Hugging Face models trained in chunks equal the unchunked model.
 
-One 2-rank launch, one 4-rank launch and one 2-rank launch under NCCL's rules: each case trains
+One 2-rank launch (with the refusals), one 4-rank launch and one 2-rank launch under NCCL's rules: each case trains
 three steps (fp32, clipping, labels with -100 inside and at the start of a chunk) and compares
 losses and every parameter with the model's own ``labels=`` training, then evaluates (unchunked)
 once.
@@ -16,7 +16,9 @@ from .launch import launch
 from .test_engine import _assert_parity, _by_case
 
 pytestmark = pytest.mark.distributed
-MODELS = ("llama", "gpt2")  # grouped-query attention with rotary; learned positions with a tied head
+# Grouped-query attention with rotary; learned positions with a tied head; partial rotary with the cache passed
+# as layer_past (GPT-NeoX).
+MODELS = ("llama", "gpt2", "gpt_neox")
 PIPELINES: dict[str, dict[str, Any]] = {
     "seq1f1b": {"schedule": "seq1f1b"},  # k = 2 by default
     "1f1b-k4": {"schedule": "1f1b", "seq_chunks": 4},
@@ -38,6 +40,11 @@ def _refusal_cases() -> list[dict[str, Any]]:
     return [
         {"name": "refuse-non-hf", "schedule": "1f1b", "pipeline": {"seq_chunks": 2}, "p": 2, "m": 4},
         {"name": "refuse-ckpt", "hf": "llama", "seq": True, "ckpt": 1, "schedule": "seq1f1b", "p": 2, "m": 4},
+        # A ds_vshape.hf model that runs as a plain pipeline but not in chunks (chunked-attention layers).
+        # Both ranks hold blocks; the refusal must come from initialize on both, not from the first
+        # forward of rank 0 while rank 1 waits for its activations until p2p_timeout_s.
+        {"name": "refuse-llama4", "hf": "llama4_text", "seq": True, "schedule": "seq1f1b", "p": 2, "m": 4,
+         "attn": "sdpa"},
     ]
 
 
@@ -67,14 +74,14 @@ def seq_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return _by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
 
 
-# The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation.py): the
+# The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation, eager): the
 # chunked schedules' transfers, in the pair order lowering fixes, on a split and a V schedule.
 NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2-v-half-k2", "llama-zb-h1-k2")]
 
 
 @pytest.fixture(scope="module")
 def seq_results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl=True))
+    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in NCCL_CASES])
@@ -104,6 +111,19 @@ def test_non_hf_model_with_seq_chunks_is_refused(seq_results: dict) -> None:
     for res in seq_results["refuse-non-hf"]:
         assert "layer 0 (Block) is not a ds_vshape.hf layer" in res["error"], res
         assert "pipeline.seq_chunks=1" in res["error"]
+
+
+def test_unsupported_model_is_refused_by_initialize_on_every_rank(seq_results: dict) -> None:
+    ranks = seq_results["refuse-llama4"]
+    assert len(ranks) == 2
+    for rank, res in enumerate(ranks):
+        assert "model type 'llama4_text' cannot run in sequence chunks: layer types ['chunked_attention']" in \
+            res.get("error", ""), (rank, res)
+        assert "set pipeline.seq_chunks=1" in res["error"]
+        # Raised inside ds_vshape.initialize: no step ran, so no rank waited on a transfer (a rank left
+        # waiting would report a p2p timeout after p2p_timeout_s instead of this refusal).
+        frames = res["traceback"]
+        assert "in initialize" in frames and "train_batch" not in frames, (rank, frames)
 
 
 def test_activation_checkpointing_with_seq_chunks_is_refused(seq_results: dict) -> None:

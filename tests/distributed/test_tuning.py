@@ -61,9 +61,9 @@ NCCL_CASES = ["profile-v-half-heavy", "auto-v-profile", "auto-linear-limit"]
 @pytest.fixture(scope="module")
 def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Profiling's collectives, auto's ping-pong hop and its switch of schedules under the NCCL
-    emulation (tags ignored, one ordered queue per pair of ranks)."""
+    emulation (eager init: one ordered queue per process group)."""
     cases = [c for c in PROFILE_CASES + AUTO_CASES if c["name"] in NCCL_CASES]
-    return _by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl=True))
+    return _by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", NCCL_CASES)

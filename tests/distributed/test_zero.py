@@ -55,10 +55,10 @@ NCCL_CASES = ["zero2-v-half", "zero2-breadth-first", "zero3-breadth-first", "zer
 
 @pytest.fixture(scope="module")
 def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """The same cases under the NCCL emulation (tags ignored, one ordered queue per pair): the
+    """The same cases under the NCCL emulation (eager init: one ordered queue per process group): the
     data-parallel collectives sit between pipeline transfers as they will on GPUs."""
     tmp = tmp_path_factory.mktemp("zero-nccl")
-    per_rank = launch([c for c in _cases(tmp) if c["name"] in NCCL_CASES], 4, tmp, nccl=True)
+    per_rank = launch([c for c in _cases(tmp) if c["name"] in NCCL_CASES], 4, tmp, nccl="lazy")
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 

@@ -48,6 +48,31 @@ class Block(nn.Module):
         return torch.tanh(self.norm(self.fc(x))) + x
 
 
+class _LinearFn(torch.autograd.Function):
+    """A linear layer as one custom autograd Function (as tensor-parallel and fused kernels are):
+    computes only the gradients ``ctx.needs_input_grad`` asks for."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])
+        return (g @ w if need[0] else None, g2.t() @ x.reshape(-1, x.shape[-1]) if need[1] else None,
+                g2.sum(0) if need[2] else None)
+
+
+class CustomBlock(Block):
+    """Block whose linear layer is a custom autograd Function: split backward over the graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(_LinearFn.apply(x, self.fc.weight, self.fc.bias))) + x
+
+
 class WideBlock(Block):
     """Block with more intermediates per parameter, as real layers have (the memory cases): split
     backward keeps each parametered op's input and output gradient until W, which for Block
@@ -78,8 +103,8 @@ def kept_fraction(*, layers: int = 2, block: type[Block] = Block) -> float:
     Measured with the runtime's own meter and store on one process, so the memory test can
     hand the schedule (and the simulator) the true figure for this model.
     """
-    from ds_vshape.runtime.memory import ActivationMeter
-    from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
+    from ds_vshape.runtime.measuring.memory import ActivationMeter
+    from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 
     torch.manual_seed(0)
     stage = nn.Sequential(*[block() for _ in range(layers)])
@@ -149,7 +174,7 @@ def _build(case: dict[str, Any], p: int) -> tuple[PipelineModule, nn.Module, Any
         ref = _TiedReference(copy.deepcopy(embed), [copy.deepcopy(b) for b in blocks])
         specs = [TiedLayerSpec("embed", _Clone, embed)] + blocks + [TiedLayerSpec("embed", _Clone, embed, forward_fn=_head)]
         return PipelineModule(specs, num_stages=p, loss_fn=_ce, partition_method="uniform"), ref, _ce
-    blocks = _layers(n, seed=5, block=WideBlock if case.get("wide") else Block)
+    blocks = _layers(n, seed=5, block=WideBlock if case.get("wide") else CustomBlock if case.get("custom") else Block)
     ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
     if case.get("layerspec"):
         # LayerSpecs are rebuilt on each rank: seed them so both sides agree.
@@ -222,15 +247,31 @@ def _ref_layers(ref: nn.Module, case: dict[str, Any]) -> list[nn.Module]:
 
 
 def _hf_config(kind: str, blocks: int = 4) -> Any:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (Gemma2Config, GPT2Config, GPTNeoXConfig, GraniteConfig, Llama4TextConfig,
+                              LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
     common = {"vocab_size": 96, "num_attention_heads": 4}
     if kind == "gpt2":
         return GPT2Config(n_embd=32, n_layer=blocks, n_head=4, vocab_size=96, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    if kind == "gpt_neox":  # partial rotary, parallel residual; its blocks take the cache as layer_past
+        return GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, max_position_embeddings=64,
+                             attention_dropout=0.0, hidden_dropout=0.0, **common)
+    if kind == "llama4_text":  # chunked-attention layers: a plain pipeline, refused in sequence chunks
+        return Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=blocks,
+                                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=2,
+                                attention_chunk_size=4, **common)
+    extra: dict[str, Any] = {
+        "qwen3": {"head_dim": 8},
+        # The LM post-processes its logits: divides by logits_scaling / soft-caps them.
+        "granite": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
+        # Gemma2's default pad_token_id 0 would mask the random ids the reference sees unmasked.
+        "gemma2": {"head_dim": 8, "sliding_window": 4, "final_logit_softcapping": 2.0, "pad_token_id": None},
+    }.get(kind, {})
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "granite": GraniteConfig, "gemma2": Gemma2Config}[kind]
     return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, num_key_value_heads=2,
-               max_position_embeddings=64, tie_word_embeddings=kind == "qwen2", **common)
+               max_position_embeddings=64, tie_word_embeddings=kind in ("qwen2", "gemma2"), **common, **extra)
 
 
 def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -347,6 +388,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         from tests.distributed import post_validation_checks as pv
 
         return pv.run_overlap_case(case) if case.get("overlap") else pv.run_post_validation_case(case)
+    if case.get("nccl_control"):
+        from tests.distributed.nccl_checks import run_stock_control
+
+        return run_stock_control(case)
     if case.get("nccl_selfcheck"):
         from tests.distributed.nccl_checks import run_nccl_selfcheck
 
@@ -387,8 +432,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def _trace_b_w(engine: Any) -> list[list[Any]]:
     """Test-only instrumentation: around each B and W handler, how many of the stage's trainable
-    parameters had their ``.grad`` changed. Split backward must leave them all to W."""
-    from ds_vshape.runtime import instructions as ins
+    parameters had their ``.grad`` changed, and how many of them are cheap (at most one
+    dimension). Split backward must leave all but the cheap ones to W."""
+    from ds_vshape.runtime.program import instructions as ins
 
     events: list[list[Any]] = []
     table = dict(engine._INSTRUCTION_MAP)
@@ -400,7 +446,8 @@ def _trace_b_w(engine: Any) -> list[list[Any]]:
             handler(self, **kwargs)
             changed = sum(not (b is None and p.grad is None or b is not None and p.grad is not None and torch.equal(b, p.grad))
                           for b, p in zip(before, params))
-            events.append([kind, kwargs["stage"], kwargs["micro_batch"], changed, len(params)])
+            cheap = sum(p.dim() <= 1 for p in params)
+            events.append([kind, kwargs["stage"], kwargs["micro_batch"], changed, len(params), cheap])
         return run
 
     table[ins.BackwardInput] = traced("B", table[ins.BackwardInput])
@@ -458,11 +505,12 @@ def _by_layer(engine: Any) -> dict[str, torch.Tensor]:
 def main() -> None:
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
-    if os.environ.get("DS_VSHAPE_NCCL_EMULATION") == "1":
-        # Before any process group exists, so that every p2p call from here on is emulated.
+    if os.environ.get("DS_VSHAPE_NCCL_EMULATION"):
+        # Before any process group exists (and before deepspeed.comm caches its all-gather and
+        # reduce-scatter functions), so that every call from here on is emulated.
         from tests.distributed import nccl_emulation
 
-        nccl_emulation.install()
+        nccl_emulation.install(mode=nccl_emulation.env_mode(os.environ["DS_VSHAPE_NCCL_EMULATION"]))
     if BACKEND == "nccl":
         torch.cuda.set_device(_device())
     else:

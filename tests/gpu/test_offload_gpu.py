@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.offload import Offloader
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.offload.offloader import Offloader
 from ds_vshape.schedules import Kind, Schedule
 from ds_vshape.schedules.lowering import OpKind, lower
 

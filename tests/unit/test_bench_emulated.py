@@ -18,8 +18,8 @@ from torch import nn
 
 from benchmarks.async_device import AsyncDevice, DeviceStream, ReadyTable, TransferModel, tensor_key
 from benchmarks.emulated import DEVICE, EmuLayer, make_layers
-from ds_vshape.runtime.memory import ActivationMeter
-from ds_vshape.runtime.split_backward import WeightGradStore, enable_split_backward
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 
 DIM, ROWS = 8, 4
 
@@ -68,6 +68,29 @@ def test_split_backward_under_ds_vshape_store_matches_and_defers_w() -> None:
     assert all(layer.fc.weight.grad is None for layer in layers)
     store.run("u")
     assert DEVICE.count.get("W") == 2  # the accumulate hook fired once per layer at W
+    ref(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+
+
+def test_graph_mode_under_ds_vshape_store_defers_the_weight_pass_to_w() -> None:
+    """The weight through a custom Function (``_WeightPass``): ds_vshape's W, not its B, runs it."""
+    layers = make_layers(2, DIM, 0.0, 1e-6, 1e-6, mode="graph", seed=2)
+    model, ref = nn.Sequential(*layers), _reference(layers)
+    store = WeightGradStore()
+    enable_split_backward([model], store)
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with store.forward_of("u"):
+        out = model(x)
+    DEVICE.reset()
+    with store.deferring("u"):
+        out.pow(2).sum().backward()
+    assert DEVICE.count.get("B") == 2 and "W" not in DEVICE.count
+    assert all(layer.fc.weight.grad is None for layer in layers)
+    store.run("u")
+    assert DEVICE.count.get("W") == 2
     ref(x_ref).pow(2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     for got, want in zip(_grads(model), _grads(ref)):
@@ -175,6 +198,19 @@ def test_received_tensor_waits_for_producer_and_transfer(two_ranks: tuple[AsyncD
     assert nxt.start == pytest.approx(ready + 1e-3 + t.numel() * 4 / 1e6)
     a.consumed(t)  # a rank's own tensor: stream order already covers it, no transfer
     assert a.run(0.001, "B").start == pytest.approx(ready)
+
+
+def test_transfers_from_one_peer_share_its_communicator_stream(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:
+    # Two tensors ready at once from the same peer: the second transfer starts when the first ends.
+    a, b = two_ranks
+    t, u = torch.randn(ROWS, DIM), torch.randn(ROWS, DIM)
+    a.run(0.1, "F")
+    a.produced(t)
+    a.produced(u)
+    ready, hop = a.stream.tail_end, 1e-3 + t.numel() * 4 / 1e6
+    b.consumed(t.clone())
+    b.consumed(u.clone())
+    assert b.run(0.001, "F").start == pytest.approx(ready + 2 * hop)
 
 
 def test_unknown_tensor_does_not_wait(two_ranks: tuple[AsyncDevice, AsyncDevice]) -> None:

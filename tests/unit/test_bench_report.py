@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.report import as_lowered
+from benchmarks.report_rows import as_lowered
 from ds_vshape.config import PipelineConfig
 from ds_vshape.schedules import Action, Costs, Kind, Schedule, simulate
 from ds_vshape.schedules.lowering import lower, merge_backward

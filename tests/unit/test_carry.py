@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_vshape.config import ConfigError, parse_pipeline_config
-from ds_vshape.runtime.carry import _plan, unit_of
-from ds_vshape.runtime.optim_carry import as_groups
+from ds_vshape.runtime.dropin.carry import _plan, unit_of
+from ds_vshape.runtime.dropin.optim_carry import as_groups
 
 
 @pytest.mark.parametrize(("name", "unit"), [("3.fc.weight", "3"), ("12.norm.bias", "12"),

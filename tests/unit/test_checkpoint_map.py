@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_vshape.runtime.checkpoint import CheckpointError, Layout, mapped_state_dict, needed_ranks, plan_load
+from ds_vshape.runtime.dropin.checkpoint import CheckpointError, Layout, mapped_state_dict, needed_ranks, plan_load
 
 HOLDERS_V = {"0": [0], "1": [1], "2": [1], "3": [0]}  # v-half at p=2, one layer a stage
 

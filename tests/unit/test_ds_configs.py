@@ -7,6 +7,7 @@ clipping and precision are the same in every file, so only the schedule changes.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,33 @@ def test_recipe_refuses_a_seq_len_the_chunks_cannot_cut() -> None:
     with pytest.raises(SystemExit, match=r"pipeline.seq_chunks=2 \(seq1f1b's default\).*use --seq-len 2 or 4"):
         _check_seq_len()(default_k, 3, "s.json")
     _check_seq_len()(raw, 1024, "s.json")
+
+
+def test_recipe_accepts_schedule_auto() -> None:
+    # auto runs every schedule with the config's seq_chunks, 1 when absent: any --seq-len goes.
+    stock = _load(CONFIG_DIR / f"{STOCK}.json")
+    for pipeline in ({"schedule": "auto"}, {"schedule": "auto", "auto_placement": "linear"},
+                     {"schedule": "auto", "auto_placement": "looped", "memory_limit": 3.0}):
+        _check_seq_len()({**stock, "pipeline": pipeline}, 63, "a.json")
+    with pytest.raises(SystemExit, match=r"--seq-len 66 is not a multiple of pipeline.seq_chunks=4 in a.json"):
+        _check_seq_len()({**stock, "pipeline": {"schedule": "auto", "auto_placement": "linear", "seq_chunks": 4}},
+                         66, "a.json")
+
+
+def _readme_pipeline_blocks() -> list[dict[str, Any]]:
+    """Every ```json block of the README that holds a "pipeline" object (snippets get their braces)."""
+    text = (CONFIG_DIR.parent / "README.md").read_text()
+    blocks = []
+    for body in re.findall(r"```json\n(.*?)```", text, flags=re.S):
+        if '"pipeline"' in body:
+            loaded = json.loads(body if body.lstrip().startswith("{") else "{" + body + "}")
+            blocks.append(loaded["pipeline"])
+    return blocks
+
+
+def test_recipe_accepts_every_pipeline_config_the_readme_shows() -> None:
+    blocks = _readme_pipeline_blocks()
+    assert any(block.get("schedule") == "auto" for block in blocks) and len(blocks) >= 2
+    stock = _load(CONFIG_DIR / f"{STOCK}.json")
+    for block in blocks:
+        _check_seq_len()({**stock, "pipeline": block}, 64, "README.md")  # train_hf.py's default --seq-len

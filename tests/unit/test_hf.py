@@ -19,14 +19,18 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    LlamaForCausalLM,
     BertConfig,
     Gemma2Config,
     GPT2Config,
+    GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
     T5Config,
 )
 
@@ -44,6 +48,11 @@ ANATOMY = {
     "llama": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
     "mistral": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
     "qwen2": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+    "qwen3": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+    "gpt_neox": {"layers": "gpt_neox.layers", "prologue": "gpt_neox.",
+                 "epilogue": ("gpt_neox.final_layer_norm.", "embed_out.")},
+    "granite": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
+    "gemma2": {"layers": "model.layers", "prologue": "model.", "epilogue": ("model.norm.", "lm_head.")},
 }
 
 
@@ -71,6 +80,19 @@ def make_config(arch: str, **overrides: Any) -> PretrainedConfig:
     if arch == "qwen2":  # full attention in layers 0-1, sliding in 2-3; tied head
         extra = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=2)
         return Qwen2Config(**{**_decoder(**extra, tie_word_embeddings=True), **overrides})
+    if arch == "qwen3":  # per-head q/k norms
+        return Qwen3Config(**{**_decoder(num_hidden_layers=2, head_dim=8), **overrides})
+    if arch == "gpt_neox":  # partial rotary, parallel residual, blocks take the cache as layer_past
+        kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+        return GPTNeoXConfig(**{**kwargs, **overrides})
+    if arch == "granite":  # multipliers everywhere; the LM divides its logits by logits_scaling
+        extra = dict(num_hidden_layers=2, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                     attention_multiplier=0.3)
+        return GraniteConfig(**{**_decoder(**extra), **overrides})
+    if arch == "gemma2":  # alternating sliding/full layers, attention and final logit soft-capping, tied head
+        extra = dict(num_hidden_layers=4, head_dim=8, sliding_window=4, final_logit_softcapping=2.0)
+        return Gemma2Config(**{**_decoder(**extra), **overrides})
     raise AssertionError(arch)
 
 
@@ -121,7 +143,7 @@ class Sequential:
                     yield param
 
 
-ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
+ARCHS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "granite", "gemma2"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -142,7 +164,8 @@ def test_layer_interface(arch: str) -> None:
     model = make_model(arch)
     specs, _ = hf.pipeline_layers(model)
     kinds = [spec.typename for spec in specs]
-    tied = arch in ("gpt2", "qwen2")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (arch in ("gpt2", "qwen2", "gemma2"))
     blocks = [hf.HFDecoderBlock] * model.config.num_hidden_layers
     if tied:
         assert kinds == [hf.HFEmbedding, *blocks, hf.HFFinalNorm, hf.HFEmbedding]
@@ -347,10 +370,58 @@ def test_encoder_decoder_config_is_rejected() -> None:
         hf.pipeline_layers(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=VOCAB))
 
 
-def test_logit_softcapping_is_rejected() -> None:
-    config = Gemma2Config(**_decoder(num_hidden_layers=2, head_dim=8), final_logit_softcapping=30.0)
-    with pytest.raises(ValueError, match="post-processes the LM head logits"):
-        hf.pipeline_layers(config)
+POST_PROCESSING = {  # config that turns it off, and the calls recorded with it on
+    "granite": ({"logits_scaling": 1.0}, "_LogitOps(div)"),
+    "gemma2": ({"final_logit_softcapping": None}, "_LogitOps(div, tanh, mul)"),
+}
+
+
+@pytest.mark.parametrize("arch", POST_PROCESSING)
+def test_logit_post_processing_is_replayed_exactly(arch: str) -> None:
+    # Granite divides the head's output by logits_scaling, Gemma2 soft-caps it: the last layer
+    # replays what the LM's own forward does (the parity itself is test_layers_reproduce_...).
+    plain, recorded = POST_PROCESSING[arch]
+    model = make_model(arch)
+    specs, _ = hf.pipeline_layers(model)
+    input_ids, _ = make_batch(7)
+    without = make_model(arch, **plain)
+    without.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logits = Sequential(specs)(input_ids)
+        torch.testing.assert_close(logits, model(input_ids).logits, rtol=0, atol=TOL)
+        assert not torch.allclose(logits, without(input_ids).logits, atol=1e-3)  # the post-processing matters here
+    assert repr(specs[-1].module_args[0].logit_ops) == recorded
+
+
+class _OffsetLogits(LlamaForCausalLM):
+    """A causal LM adding a stored tensor to its logits: not recomputable from the head's output alone."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("offset", torch.ones(config.vocab_size))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits + self.offset
+        return out
+
+
+class _RunningLogits(LlamaForCausalLM):
+    """A causal LM whose logits at a position depend on the earlier positions' logits."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits.cumsum(dim=1)
+        return out
+
+
+def test_post_processing_that_cannot_be_replayed_is_refused() -> None:
+    config = make_config("llama")
+    with pytest.raises(ValueError, match=r"cannot be recomputed from the LM head's output \(combined with other "
+                                         r"tensors in .*add"):
+        hf.pipeline_layers(_OffsetLogits(config))
+    with pytest.raises(ValueError, match="mixes positions or sequences"):
+        hf.pipeline_layers(_RunningLogits(config))
 
 
 def test_instance_options_are_rejected() -> None:

@@ -21,16 +21,20 @@ from torch.overrides import TorchFunctionMode
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GPT2Config,
+    GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from ds_vshape import hf
-from ds_vshape.hf import attention as hf_attention
+from ds_vshape.hf import chunkable as hf_chunkable
 
 VOCAB = 128
 SEQ = 16
@@ -62,6 +66,18 @@ def _config(arch: str, **overrides: Any) -> PretrainedConfig:
     if arch == "qwen2":  # full attention in layers 0-1, sliding in 2-3, tied head
         extra = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=2)
         return Qwen2Config(**{**_decoder(**extra, tie_word_embeddings=True), **overrides})
+    if arch == "qwen3":  # per-head q/k norms, explicit head_dim
+        return Qwen3Config(**{**_decoder(num_hidden_layers=2, head_dim=8), **overrides})
+    if arch == "gpt_neox":  # partial rotary, parallel residual; blocks take the cache as layer_past
+        kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+        return GPTNeoXConfig(**{**kwargs, **overrides})
+    if arch == "granite":  # the LM divides its logits by logits_scaling
+        extra = dict(num_hidden_layers=2, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5)
+        return GraniteConfig(**{**_decoder(**extra), **overrides})
+    if arch == "gemma2":  # soft-capped attention and logits, alternating sliding/full layers, tied head
+        extra = dict(num_hidden_layers=2, head_dim=8, sliding_window=4, final_logit_softcapping=2.0)
+        return Gemma2Config(**{**_decoder(**extra), **overrides})
     raise AssertionError(arch)
 
 
@@ -210,9 +226,15 @@ def _check_against_model(
 
 @pytest.mark.parametrize("bounds", BOUNDS.values(), ids=BOUNDS.keys())
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox"])
 def test_chunked_pipeline_matches_model(arch: str, attn: str, bounds: list[int]) -> None:
     _check_against_model(_model(arch, attn), bounds)
+
+
+@pytest.mark.parametrize(("arch", "attn"), [("granite", "eager"), ("granite", "sdpa"), ("gemma2", "eager")])
+def test_chunked_post_processed_logits_match_model(arch: str, attn: str) -> None:
+    # Each chunk's logits get the LM's own post-processing (scaling, soft-capping) on the last stage.
+    _check_against_model(_model(arch, attn), BOUNDS["k3"])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -314,11 +336,11 @@ def test_length_dependent_rotary_is_refused() -> None:
         rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra}
         config = _config("llama", rope_parameters=rope)
         config._attn_implementation = "sdpa"
-        reason = hf_attention._chunk_refusal(config, None)
+        reason = hf_chunkable._chunk_refusal(config, None)
         assert reason is not None and rope_type in reason and "sequence length" in reason
     plain = _config("llama")
     plain._attn_implementation = "eager"
-    assert hf_attention._chunk_refusal(plain, None) is None
+    assert hf_chunkable._chunk_refusal(plain, None) is None
 
 
 def _saved_bytes(run: Callable[[], Any], params: set[int]) -> int:

@@ -153,7 +153,7 @@ def test_one_shared_group_would_deadlock_looped_schedules_that_pair_groups_run()
 
 
 def test_neighbour_pairs_follow_the_placement() -> None:
-    from ds_vshape.runtime.p2p_groups import neighbour_pairs
+    from ds_vshape.runtime.transfers.p2p_groups import neighbour_pairs
 
     assert neighbour_pairs((0, 1, 2, 3)) == [(0, 1), (1, 2), (2, 3)]
     assert neighbour_pairs((0, 1, 2, 3, 3, 2, 1, 0)) == [(0, 1), (1, 2), (2, 3)]  # V: the turn stays local

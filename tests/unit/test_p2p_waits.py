@@ -1,6 +1,6 @@
 """How a rank waits for transfers: stream-ordered on NCCL with named hangs, host waits on gloo.
 
-Pure tests of ``runtime/p2p_waits.py`` with Work stand-ins that behave as torch's do
+Pure tests of ``runtime/transfers/p2p_waits.py`` with Work stand-ins that behave as torch's do
 (NCCL: ``wait()`` returns at once, ``wait(timeout)`` blocks; gloo: a receive waited twice
 waits for a second message) and a clock the test moves, so no test sleeps.
 """
@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from ds_vshape.runtime.p2p_waits import Batch, HostWaits, P2PTimeoutError, StreamWaits
+from ds_vshape.runtime.transfers.p2p_waits import Batch, HostWaits, P2PTimeoutError, StreamWaits
 
 
 class NcclLikeWork:

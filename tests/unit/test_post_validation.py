@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ds_vshape.config import ConfigError, parse_pipeline_config
-from ds_vshape.runtime.pending import PendingValue
-from ds_vshape.runtime.post_validation import MARGIN, check_post_validation_config, decide
-from ds_vshape.runtime.snapshot import StepSnapshot
+from ds_vshape.runtime.step_end.pending import PendingValue
+from ds_vshape.runtime.step_end.post_validation import MARGIN, ClippingDefaultWarning, check_post_validation_config, decide
+from ds_vshape.runtime.step_end.snapshot import StepSnapshot
 
 
 @pytest.mark.parametrize(
@@ -106,3 +106,21 @@ def test_restoring_a_snapshot_undoes_a_step_exactly(opt_cls: type[torch.optim.Op
     assert [g["lr"] for g in e.optimizer.param_groups] == lr and e.lr_scheduler.state_dict() == sched
     assert e.global_steps == (0 if first else 1)
     assert (len(e.optimizer.state) == 0) is first  # a first step's state is removed, not zeroed
+
+
+def test_post_validation_says_when_deepspeeds_default_clipping_applies() -> None:
+    # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent: the user is told.
+    with pytest.warns(ClippingDefaultWarning, match="gradient_clipping to 0"):
+        check_post_validation_config({}, enabled=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_post_validation_config({"gradient_clipping": 0.0}, enabled=True)
+        check_post_validation_config({}, enabled=False)
+
+
+def test_deepspeeds_default_clipping_is_what_the_warning_says() -> None:
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    assert GRADIENT_CLIPPING_DEFAULT == 1.0

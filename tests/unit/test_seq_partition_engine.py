@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_vshape.config import ConfigError, parse_pipeline_config
-from ds_vshape.runtime.seq_chunks import SeqChunks, partition_dims
+from ds_vshape.runtime.program.seq_chunks import SeqChunks, partition_dims
 from ds_vshape.schedules.seq_partition import chunk_boundaries
 
 DIMS = {"hidden": 32, "heads": 4, "ffn": 64}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_vshape.runtime.zero import check_zero_config
+from ds_vshape.runtime.zero.zero import check_zero_config
 from ds_vshape.schedules import generate
 from ds_vshape.schedules.lowering import add_param_gathers, add_stage_reduces, lower
 from ds_vshape.schedules.ops import BACKWARDS, COMPUTE, Op, OpKind

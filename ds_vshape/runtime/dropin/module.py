@@ -107,7 +107,7 @@ class PipelineModule(_DSPipelineModule):
 
     def _prebuilt_or(self, unit: str, spec: LayerSpec) -> nn.Module:
         # Only the layers the stock module built on THIS rank are here; any other layer this
-        # rank now owns is built from its LayerSpec, and ds_vshape.runtime.carry then copies
+        # rank now owns is built from its LayerSpec, and ds_vshape.runtime.dropin.carry then copies
         # the stock owner's values into it.
         module = self._vs_prebuilt.get(unit)
         return spec.build() if module is None else module

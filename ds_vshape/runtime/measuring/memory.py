@@ -9,7 +9,7 @@ since they are activation memory too. Transfer buffers still in flight (``source
 ``peak_bytes`` is the activations the schedule plans for, ``peak_total_bytes`` adds the
 transfer buffers held at the same moment.
 
-With activation offload (``runtime/offload.py``) the offloaded units' storages are counted by
+With activation offload (``runtime/offload``) the offloaded units' storages are counted by
 the offloader: those on the device as ``source="offload"`` (part of ``peak_bytes``), those in
 host memory through ``set_host`` (``host_bytes``, ``peak_host_bytes``), never in both.
 """

@@ -19,7 +19,8 @@ loads nothing, sizes the K/V buffers from chunk 0's length: the longest sequence
 partition starts with a chunk that long.
 
 Only ``ds_vshape.hf`` layers know how to run a chunk; ``check_module`` refuses the rest at
-initialize. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
+initialize, on every rank, and so the ``ds_vshape.hf`` models that cannot run in chunks
+exactly. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss
-from ..hf import seq_chunk as chunk_context
-from ..hf.loss import causal_lm_chunk_loss, shifted_targets
-from ..schedules.seq_partition import chunk_boundaries
+from ...hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss, seq_chunk_refusal
+from ...hf import seq_chunk as chunk_context
+from ...hf.loss import causal_lm_chunk_loss, shifted_targets
+from ...schedules.seq_partition import chunk_boundaries
 
 __all__ = ["SeqChunks", "check_module", "partition_dims", "PARTITIONS"]
 
@@ -81,6 +82,9 @@ def check_module(model: Any, k: int, schedule_name: str) -> None:
             f"{where}: the module's loss_fn is {getattr(model.loss_fn, '__name__', model.loss_fn)!r}, not "
             "ds_vshape.hf.causal_lm_loss; each chunk's loss is its share of that loss, so pass the loss_fn "
             "returned by pipeline_layers, or set pipeline.seq_chunks=1")
+    refusal = seq_chunk_refusal(model._layer_specs)
+    if refusal is not None:  # here, on every rank, not in the first forward of the ranks holding blocks
+        raise ValueError(f"{where}: {refusal}; set pipeline.seq_chunks=1 to train this model without sequence chunks")
     if model.activation_checkpoint_interval > 0:
         raise ValueError(
             f"{where}: activation_checkpoint_interval={model.activation_checkpoint_interval} is not supported: a "

@@ -20,7 +20,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from torch import nn
 
-from ..config import ConfigError
+from ...config import ConfigError
 from .carry import gather_checked, global_rank_of, unit_holders, unit_of
 
 __all__ = ["as_groups", "carry_param_groups", "carry_model_parameters", "rebuild_optimizer", "check_lr_scheduler"]

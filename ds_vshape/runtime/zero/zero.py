@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..schedules.ops import OpKind
+from ...schedules.ops import OpKind
 
 __all__ = ["StageGradReducer", "Zero3Reducer", "ZeroLayoutError", "check_zero_config", "whole_parameters"]
 

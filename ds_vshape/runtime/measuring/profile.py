@@ -31,13 +31,13 @@ from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from deepspeed.utils import logger as log
 from torch import nn
 
-from ..config import ConfigError, PipelineConfig
-from ..schedules import Schedule
-from ..schedules.partition import Cut, LayerCost, cut_layers, pool_alike, stage_inflight
-from ..tuning import INTEGER_DTYPES, SampleTensor
-from .carry import gather_checked, global_rank_of
+from ...config import ConfigError, PipelineConfig
+from ...schedules import Schedule
+from ...schedules.partition import Cut, LayerCost, cut_layers, pool_alike, stage_inflight
+from ...tuning import INTEGER_DTYPES, SampleTensor
+from ..dropin.carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
-from .device import comm_device
+from ..transfers.device import comm_device
 
 __all__ = ["Profile", "profiled_cut", "measure_layers", "sample_micro_batch"]
 

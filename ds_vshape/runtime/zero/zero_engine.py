@@ -1,7 +1,7 @@
 """The engine's ZeRO-2/3 side: reducers built at init, the data-parallel ops of the lowered stream.
 
 A mixin of ``VShapeEngine`` (before ``PipelineEngine`` in its bases), kept apart so the engine
-module stays about executing a schedule. The work itself is in ``runtime/zero.py``.
+module stays about executing a schedule. The work itself is in ``runtime/zero/zero.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from . import instructions as ins
-from .checkpoint import CheckpointError
+from ..program import instructions as ins
+from ..dropin.checkpoint import CheckpointError
 from .zero import StageGradReducer, Zero3Reducer, whole_parameters
 
 __all__ = ["ZeroPipelineMixin"]
@@ -39,7 +39,7 @@ class ZeroPipelineMixin:
     def zero_optimization_stage(self) -> int:
         stage = super().zero_optimization_stage()
         # PipelineEngine.__init__ asserts stage < 2: its schedule would reduce gradients on every
-        # micro-batch. Ours reduces them once per step (runtime/zero.py), so that one
+        # micro-batch. Ours reduces them once per step (runtime/zero/zero.py), so that one
         # check is answered as for ZeRO-1; every other caller gets the real stage.
         if stage in (2, 3) and sys._getframe(1).f_code is PipelineEngine.__init__.__code__:
             return 1

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..schedules import Schedule
-from ..schedules.lowering import Op, OpKind, lower
+from ...schedules import Schedule
+from ...schedules.lowering import Op, OpKind, lower
 
 __all__ = [
     "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",

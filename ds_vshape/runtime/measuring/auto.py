@@ -24,10 +24,10 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as log
 
-from ..schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
-from . import instructions as ins
-from .engine import VShapeEngine
-from .split_backward import enable_split_backward
+from ...schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
+from ..program import instructions as ins
+from ..engine import VShapeEngine
+from ..split.split_backward import enable_split_backward
 
 __all__ = ["AutoEngine"]
 

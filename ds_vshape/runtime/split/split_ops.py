@@ -4,34 +4,38 @@ Each function sits where a trainable parameter (or a tensor computed from parame
 see ``split_mode``) meets the activations. Its backward has two modes:
 
 * fused (the unit is not deferring): input and parameter gradients at once, as autograd would;
-* B (the unit is deferring): only the input gradients; what the parameter gradients need is
-  parked in the store as a ``ParkedWork``, whose ``run()`` (the unit's W) accumulates them
-  into ``.grad`` through ``torch.autograd.backward`` on the parameter, so DeepSpeed's
-  accumulate hooks and the bf16 optimizer see them exactly as from a fused backward.
+* B (the unit is deferring): the input gradients, and the gradients of the parameters that
+  B computes by design (``in_b``: norm scales and biases); what the other parameters'
+  gradients need is parked in the store as a ``ParkedWork``, whose ``run()`` (the unit's W)
+  accumulates them into ``.grad`` through ``torch.autograd.backward`` on the parameter, so
+  DeepSpeed's accumulate hooks and the bf16 optimizer see them exactly as from a fused backward.
 
 ``_SplitMatmul`` is the fast path for the GEMMs (``F.linear``, ``x @ W``, ``addmm``): B is one
-GEMM, W one GEMM, and it parks the input and the output gradient. ``_DeferredOp`` serves any
-other operation: it saves its inputs like any op, and its backward re-runs the operation on
-detached leaves (cheap: norms, embeddings, elementwise scales), takes the input gradients of
-that small graph and, under B, keeps the graph until W, which takes the parameter gradients
-from it. Both save activations with ``save_for_backward``, so non-reentrant activation
-checkpointing recomputes them like any other saved tensor.
+GEMM (plus the bias's row sum), W one GEMM, and it parks the input (the very tensor autograd
+saved) and the output gradient. ``_DeferredOp`` serves any other operation: it saves its inputs
+like any op, and its backward re-runs the operation on detached leaves (cheap: embeddings,
+elementwise scales), takes the input gradients of that small graph and, under B, keeps the
+graph until W, which takes the parameter gradients from it. Both save activations with
+``save_for_backward``, so non-reentrant activation checkpointing recomputes them like any
+other saved tensor.
+
+The store is a parameter of every call here (``OpStore``: what these functions ask of it);
+``split_backward.WeightGradStore`` is the one implementation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-if TYPE_CHECKING:
-    from .split_backward import WeightGradStore
-
-__all__ = ["ParkedWork", "OpCall", "MatmulCall", "accumulate", "split_matmul", "deferred_op"]
+__all__ = ["OpStore", "ParkedWork", "OpCall", "MatmulCall", "accumulate", "split_matmul", "deferred_op"]
 
 
 class ParkedWork(Protocol):
@@ -42,7 +46,17 @@ class ParkedWork(Protocol):
     def run(self) -> None: ...
 
 
-def accumulate(targets: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+class OpStore(Protocol):
+    """What the split functions ask of the store that owns the parked work."""
+
+    def is_deferring(self, key: Hashable) -> bool: ...
+
+    def park(self, key: Hashable, work: ParkedWork) -> None: ...
+
+    def suspended(self) -> AbstractContextManager[None]: ...
+
+
+def accumulate(targets: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """Add ``grads`` into the parameters behind ``targets`` (parameters, or tensors computed from them).
 
     Backward on the parameter itself (not ``.grad +=``) so that post-accumulate hooks fire.
@@ -55,14 +69,24 @@ def accumulate(targets: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=retain)
 
 
+class _Internal:
+    """Marks ds_vshape's own Functions: ``split_graph`` leaves their nodes alone."""
+
+    _ds_vshape_internal = True
+
+
 # ---- fast path: GEMMs with a parameter as the weight ------------------------------------------
 @dataclass
 class MatmulCall:
-    """``kind``: "linear" (y = x W^T + b), "matmul" (y = x W), "addmm" (y = b + x W; x is 2-D)."""
+    """``kind``: "linear" (y = x W^T + b), "matmul" (y = x W), "addmm" (y = b + x W; x is 2-D).
+
+    ``bias_in_b``: the bias's gradient is computed in B (by design), not parked for W.
+    """
 
     kind: str
-    store: WeightGradStore
-    key: Any
+    store: OpStore
+    key: Hashable
+    bias_in_b: bool = True
 
 
 @dataclass
@@ -94,7 +118,7 @@ def _weight_grads(kind: str, x: torch.Tensor | None, grad_out: torch.Tensor, *, 
     return grad_w, (g2.sum(0) if want_b else None)
 
 
-class _SplitMatmul(torch.autograd.Function):
+class _SplitMatmul(_Internal, torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: MatmulCall, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -116,10 +140,12 @@ class _SplitMatmul(torch.autograd.Function):
             w = weight.to(grad_out.dtype)
             grad_x = grad_out.matmul(w if call.kind == "linear" else w.t())
         if call.store.is_deferring(call.key):
-            if need_w or need_b:
+            bias_in_w = need_b and not call.bias_in_b
+            if need_w or bias_in_w:
                 call.store.park(call.key, _MatmulWork(call.kind, x.detach() if need_w else None, grad_out.detach(),
-                                                      weight if need_w else None, ctx.bias if need_b else None))
-            return None, grad_x, None, None
+                                                      weight if need_w else None, ctx.bias if bias_in_w else None))
+            _, grad_b = _weight_grads(call.kind, None, grad_out, want_w=False, want_b=need_b and call.bias_in_b)
+            return None, grad_x, None, grad_b
         grad_w, grad_b = _weight_grads(call.kind, x, grad_out, want_w=need_w, want_b=need_b)
         return None, grad_x, grad_w, grad_b
 
@@ -138,8 +164,9 @@ class OpCall:
     flat: list[Any]
     tensor_pos: list[int]
     is_param: list[bool]  # per tensor: a trainable parameter or a tensor computed from them only
-    store: WeightGradStore
-    key: Any
+    in_b: list[bool]  # per tensor: a parameter whose gradient B computes by design (norm scale, bias)
+    store: OpStore
+    key: Hashable
     autocast: tuple[str, bool, torch.dtype] | None = None
     out_spec: TreeSpec | None = None
     out_flat: list[Any] = field(default_factory=list)  # non-tensor outputs; None where a tensor goes
@@ -171,7 +198,7 @@ class _GenericWork:
         accumulate(self.targets, list(grads))
 
 
-class _DeferredOp(torch.autograd.Function):
+class _DeferredOp(_Internal, torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: OpCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.call = call
@@ -198,23 +225,21 @@ class _DeferredOp(torch.autograd.Function):
         held: list[torch.Tensor] = []
         outs = _rerun(call, tuple(leaves), held)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        acts = [i for i, n in enumerate(need) if n and not call.is_param[i]]
-        params = [i for i, n in enumerate(need) if n and call.is_param[i]]
         if not pairs:
             return (None,) * (1 + len(tensors))
+        deferring = call.store.is_deferring(call.key)
+        in_b = [i for i, n in enumerate(need) if n and (not call.is_param[i] or call.in_b[i] or not deferring)]
+        in_w = [i for i, n in enumerate(need) if n and call.is_param[i] and not call.in_b[i] and deferring]
         roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
         result: list[Any] = [None] * len(tensors)
-        deferring = call.store.is_deferring(call.key)
-        wanted = acts if deferring else acts + params
-        if wanted:
-            got = torch.autograd.grad(roots, [leaves[i] for i in wanted], root_grads, allow_unused=True,
-                                      retain_graph=deferring and bool(params))
-            for i, g in zip(wanted, got):
+        if in_b:
+            got = torch.autograd.grad(roots, [leaves[i] for i in in_b], root_grads, allow_unused=True, retain_graph=bool(in_w))
+            for i, g in zip(in_b, got):
                 result[i] = g
-        if deferring and params:
+        if in_w:
             edges = [get_gradient_edge(o) for o in roots]  # keeps the nodes, not the outputs' memory
-            call.store.park(call.key, _GenericWork(edges, [g.detach() for g in root_grads], [leaves[i] for i in params],
-                                                   [tensors[i] for i in params], tuple(held) + tuple(root_grads)))
+            call.store.park(call.key, _GenericWork(edges, [g.detach() for g in root_grads], [leaves[i] for i in in_w],
+                                                   [tensors[i] for i in in_w], tuple(held) + tuple(root_grads)))
         return (None, *result)
 
 

@@ -1,17 +1,26 @@
-"""Split backward: B computes input gradients now, W computes every weight gradient later.
+"""Split backward: B computes input gradients now, W computes the weight gradients later.
+
+This module owns the store; ``split_mode`` (routing), ``split_ops`` (the split autograd
+functions) and ``split_graph`` (custom autograd Functions) take it as a parameter.
 
 While a unit's forward runs (``forward_of``), every operation that consumes a trainable
 parameter of the stage goes through an autograd function of ``split_ops`` (routing:
-``split_mode``). In the unit's B (``deferring``) those functions compute only input
-gradients and park, per unit, what the parameter gradients need: the GEMMs' input and output
-gradient, or for other operations (norms, embeddings, custom parameters) the small re-run
-graph of that one operation and its output gradient. The unit's W (``run``) turns the parked
-work into ``.grad``. Nothing else of the stage's graph outlives B.
+``split_mode``), and every custom autograd Function node that takes one is taken over by
+``split_graph``. In the unit's B (``deferring``) they compute only input gradients and park,
+per unit, what the parameter gradients need: the GEMMs' input and output gradient, for other
+operations (embeddings, custom parameters) the small re-run graph of that one operation and
+its output gradient, for a custom Function its saved tensors and output gradients. The
+unit's W (``run``) turns the parked work into ``.grad``. Nothing else of the stage's graph
+outlives B.
+
+Cheap weight gradients are B's by design (``cheap_in_b``, on by default): parameters with at
+most one dimension (norm scales, biases) get theirs in B, park nothing and never warn.
 
 W accumulates through ``torch.autograd.backward`` on the parameter, so DeepSpeed's
 post-accumulate hooks and the bf16 optimizer see the gradient as if autograd had produced it.
-A parameter whose gradient still lands during B (used in place, say) is exact but not
-deferred: a warning names its module, once.
+A deferred parameter whose gradient still lands during B (used in place, say, or by a custom
+Function whose backward computes it anyway) is exact but not deferred: a warning names its
+module (and the Function), once.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .split_graph import inspect_outputs
 from .split_mode import DeferMode, RoutedCall, routing
 from .split_ops import ParkedWork
 
@@ -38,9 +49,14 @@ class SplitBackwardWarning(UserWarning):
 
 
 class WeightGradStore:
-    """Parked weight-gradient work, keyed by unit (stage, micro-batch, chunk)."""
+    """Parked weight-gradient work, keyed by unit (stage, micro-batch, chunk).
 
-    def __init__(self) -> None:
+    ``cheap_in_b``: parameters with at most one dimension (norm scales, biases) get their
+    gradients in B by design; off, they wait for W like every other parameter.
+    """
+
+    def __init__(self, *, cheap_in_b: bool = True) -> None:
+        self.cheap_in_b = cheap_in_b
         self._current: Hashable | None = None  # unit whose forward (or backward) is running
         self._deferring: set[Hashable] = set()
         self._suspended = 0
@@ -48,7 +64,8 @@ class WeightGradStore:
         self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
         self._param_ids: set[int] = set()
         self._param_ptrs: set[int] = set()  # parameter storages: never counted as parked
-        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter-computed tensor -> cheap
+        self._owner: dict[int, str] = {}  # parameter id -> its module, for warnings
         self._warned: set[str] = set()
         self.parked_bytes = 0
 
@@ -106,10 +123,23 @@ class WeightGradStore:
     def is_param_like(self, t: torch.Tensor) -> bool:
         return t.requires_grad and (id(t) in self._param_ids or t in self._derived)
 
-    def mark_param_like(self, out: Any) -> None:
+    def is_cheap(self, t: torch.Tensor) -> bool:
+        """A parameter-like tensor whose gradient B computes by design (at most one dimension)."""
+        if not self.cheap_in_b:
+            return False
+        return t.dim() <= 1 if id(t) in self._param_ids else bool(self._derived.get(t, False))
+
+    def mark_param_like(self, out: Any, *, cheap: bool) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                self._derived[t] = True
+                self._derived[t] = cheap
+
+    def trainable_param(self, node: Node) -> torch.Tensor | None:
+        """The deferred-or-cheap parameter behind an accumulate node, else None."""
+        if not isinstance(node, torch._C._functions.AccumulateGrad):
+            return None
+        param = node.variable
+        return param if id(param) in self._param_ids and param.requires_grad else None
 
     # ---- parked work -------------------------------------------------------------------------------
     def park(self, key: Hashable, work: ParkedWork) -> None:
@@ -151,10 +181,11 @@ class WeightGradStore:
 
     # ---- setup --------------------------------------------------------------------------------------
     def adopt(self, param: nn.Parameter, owner: str) -> None:
-        """Route ``param``'s gradient through W; ``owner`` names its module in the warning."""
+        """Route ``param``'s gradient through W (or B, when cheap); ``owner`` names its module in warnings."""
         self._param_ids.add(id(param))
         self._param_ptrs.add(param.untyped_storage().data_ptr())
-        if param.requires_grad:  # a frozen one parks nothing and cannot take the hook
+        self._owner[id(param)] = owner
+        if param.requires_grad and not self.is_cheap(param):  # a frozen one parks nothing and cannot take the hook
             # Autograd calls it with None where B returned None for the parameter: only a real one counts.
             param.register_hook(lambda grad: None if grad is None else self._accumulated_in_b(owner))
 
@@ -164,6 +195,18 @@ class WeightGradStore:
             warnings.warn(f"ds_vshape split backward: the weight gradient of {owner} was computed in B, not deferred "
                           "to W (exact, but the zero-bubble gain is lost for it): a parameter used in place, or "
                           "outside the stage's forward", SplitBackwardWarning, stacklevel=2)
+
+    def kept_whole(self, name: str, params: list[torch.Tensor]) -> None:
+        """A custom Function computed deferred gradients in B anyway: say so once, naming it."""
+        owners = sorted({self._owner.get(id(p), "?") for p in params})
+        fresh = name not in self._warned
+        self._warned.update([name, *owners])  # the per-module warning would only repeat it
+        if fresh:
+            warnings.warn(f"ds_vshape split backward: {name} (in {', '.join(owners) or 'the stage'}) computes its "
+                          "parameters' gradients in B although B does not ask for them (ctx.needs_input_grad), so it runs "
+                          "whole in B, once: exact, but its weight-gradient work is not deferred to W. A backward that "
+                          "computes each gradient only where ctx.needs_input_grad asks for it is split.",
+                          SplitBackwardWarning, stacklevel=2)
 
 
 def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None) -> int:
@@ -181,7 +224,7 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
                 continue
             seen.add(id(mod))
             own = list(mod.parameters(recurse=False))
-            if own:  # only modules that own parameters pay for the per-op routing
+            if own or mod is top:  # modules owning parameters (and the stage's own) pay for the per-op routing
                 _route_forward(mod, store)
             path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
             for param in own:
@@ -208,6 +251,8 @@ def _route_forward(mod: nn.Module, store: WeightGradStore) -> None:
         entered.append(context)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if store.current is not None and not store.is_suspended and torch.is_grad_enabled():
+            inspect_outputs(store, output)  # a custom Function's output that no routed call consumed
         if entered:
             entered.pop().__exit__(None, None, None)
 

@@ -37,6 +37,7 @@ weights, gradients and optimizer state per rank.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from .pending import PendingValue
 from .snapshot import StepSnapshot
 
-__all__ = ["MARGIN", "PostValidator", "Verdict", "check_post_validation_config", "decide", "reduce_stats"]
+__all__ = ["MARGIN", "ClippingDefaultWarning", "PostValidator", "Verdict", "check_post_validation_config", "decide", "reduce_stats"]
 
 # A step whose clip coefficient is below 1 + MARGIN is redone: the optimizer computes its
 # own norm in another precision and order, so a decision this close to the threshold could
@@ -60,8 +61,19 @@ MARGIN = 1e-4
 _NORM_SQ, _DP_LOSS, _AGG_LOSS = range(3)
 
 
+class ClippingDefaultWarning(UserWarning):
+    """post_validation with gradient_clipping left out: DeepSpeed clips at 1.0 then."""
+
+
 def check_post_validation_config(config: dict[str, Any], *, enabled: bool) -> None:
-    """The front-door rule: post-validation needs ZeRO stage 0."""
+    """The front-door rules: post-validation needs ZeRO stage 0; an absent ``gradient_clipping``
+    is DeepSpeed's default of 1.0, which the user is told (every step then awaits or may redo)."""
+    if enabled and "gradient_clipping" not in config:
+        warnings.warn(
+            "pipeline.post_validation=true with gradient_clipping not set: DeepSpeed then clips at 1.0, so every step's "
+            "global-norm check is awaited before the next step (or, once speculating, a step above the threshold is "
+            "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait), or to the value you "
+            "mean to silence this", ClippingDefaultWarning, stacklevel=3)
     stage = int((config.get("zero_optimization") or {}).get("stage", 0))
     if enabled and stage != 0:
         raise ValueError(

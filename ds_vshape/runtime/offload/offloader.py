@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..schedules import Action, Kind, Schedule
-from ..schedules.lowering import OpKind
-from ..schedules.offload import Unit, check_share, offload_plan
-from .memory import ActivationMeter
+from ...schedules import Action, Kind, Schedule
+from ...schedules.lowering import OpKind
+from ...schedules.offload import Unit, check_share, offload_plan
+from ..measuring.memory import ActivationMeter
 
 __all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
 

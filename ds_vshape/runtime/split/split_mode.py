@@ -3,44 +3,60 @@
 Active while a unit's forward runs (and while its backward re-runs a checkpointed forward),
 a ``TorchFunctionMode`` sees each torch call and sorts its tensor arguments:
 
-* parameter-like: a trainable parameter of the stage, or a tensor computed from such
-  parameters only (``w.t()``, ``w.to(bf16)``, ``w[idx]``): its gradient is W's work;
+* parameter-like: a trainable parameter of the stage, a tensor computed from such parameters
+  only (``w.t()``, ``w.to(bf16)``, ``w[idx]``), or the output of a custom autograd Function
+  fed by parameters only (``split_graph``): its gradient is W's work;
 * anything else (activations, ids, masks, frozen parameters).
 
 A call with only parameter-like tensors runs as is and its outputs become parameter-like, so
 a head computing ``x @ embedding.weight.t()`` defers the embedding's gradient like a linear
 layer. A call mixing both is where B and W part: GEMMs take the fast path, anything else the
-generic one (``split_ops``). Calls without parameters, and in-place calls (their result must
-stay the tensor they modify), run untouched; a parameter reached that way gets its gradient
-in B, which ``split_backward`` reports.
+generic one (``split_ops``); a call whose parameter-like tensors are all cheap (at most one
+dimension: norm scales, biases) runs as is, its parameters' gradients are B's by design.
+Calls without parameters, and in-place calls (their result must stay the tensor they
+modify), run untouched; a parameter reached that way gets its gradient in B, which
+``split_backward`` reports. Custom Functions the routing cannot enter are found here too:
+every tensor a call consumes is shown to ``split_graph``.
+
+The store is a parameter (``RoutingStore``: what the routing asks of it).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .split_graph import CHEAP, GraphStore, derived_kind, inspect_outputs
 from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
 
-if TYPE_CHECKING:
-    from .split_backward import WeightGradStore
+__all__ = ["DeferMode", "RoutedCall", "RoutingStore", "routing"]
 
-__all__ = ["DeferMode", "RoutedCall", "routing"]
-
+_BACKWARDS = {torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imatmul__",
                     "__ipow__", "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 
 
+class RoutingStore(GraphStore, Protocol):
+    """What the routing asks of the store, besides what ``split_graph`` and ``split_ops`` ask."""
+
+    @property
+    def is_suspended(self) -> bool: ...
+
+    def is_param_like(self, t: torch.Tensor) -> bool: ...
+
+    def mark_param_like(self, out: Any, *, cheap: bool) -> None: ...
+
+
 class DeferMode(TorchFunctionMode):
     """Sends the parameter-consuming calls of ``store.current``'s unit through split backward."""
 
-    def __init__(self, store: WeightGradStore) -> None:
+    def __init__(self, store: RoutingStore) -> None:
         super().__init__()
         self.store = store
 
@@ -48,27 +64,34 @@ class DeferMode(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         store = self.store
+        if func in _BACKWARDS:
+            # A unit's backward (B, or fused) starts here: custom Functions behind its roots are sorted
+            # before autograd reaches them (a stage output may come straight out of one).
+            if store.current is not None and not store.is_suspended:
+                inspect_outputs(store, (args, kwargs.get("outputs"), kwargs.get("tensors")))
+            return func(*args, **kwargs)
         if store.current is None or store.is_suspended or not torch.is_grad_enabled() or not _touches_params(store, args, kwargs):
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in pos]
         is_param = [store.is_param_like(t) for t in tensors]
+        cheap = [p and store.is_cheap(t) for t, p in zip(tensors, is_param)]
         if all(is_param):
             out = func(*args, **kwargs)
-            store.mark_param_like(out)
+            store.mark_param_like(out, cheap=all(cheap))
             return out
-        if _mutates(func, kwargs):
+        if _mutates(func, kwargs) or cheap == is_param:  # in place, or only cheap parameters: B's, by design
             return func(*args, **kwargs)
         fast = _fast_matmul(store, func, args, kwargs)
         if fast is not None:
             return fast
-        call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, store,
+        call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, cheap, store,
                       store.current, autocast=_autocast_state(tensors))
         return deferred_op(call, tensors)
 
 
-def routing(store: WeightGradStore) -> ContextManager[Any]:
+def routing(store: RoutingStore) -> ContextManager[Any]:
     """The mode, unless it is active already or no unit is running.
 
     Autograd runs backward without the caller's torch-function modes, so a checkpointed
@@ -86,23 +109,41 @@ def routing(store: WeightGradStore) -> ContextManager[Any]:
 class RoutedCall:
     """``function`` run under ``routing(store)``: what a checkpoint is handed to re-run."""
 
-    def __init__(self, function: Callable[..., Any], store: WeightGradStore) -> None:
+    def __init__(self, function: Callable[..., Any], store: RoutingStore) -> None:
         self.function, self.store = function, store
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with routing(self.store):
-            return self.function(*args, **kwargs)
+            out = self.function(*args, **kwargs)
+            if self.store.current is not None and torch.is_grad_enabled():
+                inspect_outputs(self.store, out)
+            return out
 
 
-def _touches_params(store: WeightGradStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _touches_params(store: RoutingStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     # Called for every op of the forward: a shallow look (lists one level deep, as torch.cat takes them).
+    # Every argument is looked at (no early exit): a custom Function behind any of them must be found.
+    found = False
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
-            if store.is_param_like(v):
-                return True
-        elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and store.is_param_like(t) for t in v):
-            return True
-    return False
+            found = _param_like(store, v) or found
+        elif isinstance(v, (list, tuple)):
+            for t in v:
+                if isinstance(t, torch.Tensor):
+                    found = _param_like(store, t) or found
+    return found
+
+
+def _param_like(store: RoutingStore, t: torch.Tensor) -> bool:
+    if not t.requires_grad:
+        return False
+    if store.is_param_like(t):
+        return True
+    kind = derived_kind(store, t)  # also sorts a custom Function that mixes parameters and activations
+    if kind is None:
+        return False
+    store.mark_param_like(t, cheap=kind == CHEAP)
+    return True
 
 
 def _mutates(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
@@ -110,7 +151,7 @@ def _mutates(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
     return "out" in kwargs or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
 
 
-def _fast_matmul(store: WeightGradStore, func: Callable[..., Any], args: tuple[Any, ...],
+def _fast_matmul(store: RoutingStore, func: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``F.linear``/``x @ W``/``addmm`` with the weight (or bias) parameter-like: the GEMM fast path."""
     if func is F.linear and set(kwargs) <= {"bias"} and len(args) in (2, 3):
@@ -134,7 +175,7 @@ def _fast_matmul(store: WeightGradStore, func: Callable[..., Any], args: tuple[A
     operands = [t for t in (w, b) if t is not None]
     if not any(store.is_param_like(t) for t in operands) or any(t.requires_grad and not store.is_param_like(t) for t in operands):
         return None  # an activation as the weight (attention scores @ V): not a parameter's GEMM
-    return split_matmul(MatmulCall(kind, store, store.current), x, w, b)
+    return split_matmul(MatmulCall(kind, store, store.current, bias_in_b=b is None or store.is_cheap(b)), x, w, b)
 
 
 def _autocast_state(tensors: list[torch.Tensor]) -> tuple[str, bool, torch.dtype] | None:

@@ -23,8 +23,8 @@ from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 from torch import nn
 
-from ..config import ConfigError
-from .device import comm_device
+from ...config import ConfigError
+from ..transfers.device import comm_device
 
 __all__ = ["unit_of", "unit_holders", "global_rank_of", "gather_checked", "carry_weights"]
 

@@ -1,0 +1,9 @@
+"""Split backward: B computes input gradients, W the weight gradients later.
+
+``split_backward`` owns the store of parked weight-gradient work and the entry points the
+engine calls; ``split_mode`` routes parameter-consuming torch calls during a forward;
+``split_ops`` holds the autograd functions behind them (the GEMM fast path and the generic
+re-run); ``split_graph`` takes over custom ``autograd.Function`` nodes. The store is passed to
+the others as a parameter, so imports run one way: backward -> mode -> graph -> ops. May
+import torch only.
+"""

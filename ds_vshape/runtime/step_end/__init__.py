@@ -1,0 +1,8 @@
+"""The end of a step: the optimizer step, clipping by the global norm, fp16/bf16 agreement on
+overflow, and optimizer post-validation.
+
+``step`` is the engine mixin; ``precision`` scales losses and agrees on overflow;
+``post_validation`` steps on local figures and checks the global ones later, with
+``snapshot`` (exact undo) and ``pending`` (a loss that arrives later). May import torch,
+``torch.distributed`` and DeepSpeed; nothing else of ds_vshape.
+"""

@@ -1,0 +1,40 @@
+"""NCCL semantics on gloo, as torch's ProcessGroupNCCL runs them, so CPU tests catch GPU hangs.
+
+Gloo is forgiving where NCCL is not: gloo matches messages by tag, buffers sends eagerly and
+runs every operation independently. ``install(mode=...)`` replaces ``torch.distributed``'s p2p
+functions (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) and its tensor
+collectives (in ``torch.distributed`` and ``torch.distributed.distributed_c10d``, so ``P2POp``
+and ``deepspeed.comm``, which look them up at call time, use them too) with versions that obey
+NCCL's rules (torch 2.13's ``ProcessGroupNCCL::pointToPoint`` and ``batch_isend_irecv``):
+
+1. One communicator = one ordered queue per rank, drained by one thread: its entries run
+   strictly in issue order, each to completion before the next starts. An entry is one
+   unbatched p2p op, one whole ``batch_isend_irecv`` call (its ops, whatever their peers,
+   progress together; it completes when all did; it returns ONE Work, as NCCL's coalescing),
+   or one collective (the real gloo collective on that group, run from the queue's thread, so
+   ranks must reach it at the same position of their queues). So a posted receive holds back
+   every later entry on its communicator: sends to other peers and collectives included.
+2. Which communicator: "eager" (device bound at ``init_process_group``, what DeepSpeed does on
+   GPUs): every op on a process group, batched or not, and its collectives, use the group's
+   one communicator; subgroups from ``new_group`` are eager too. "lazy": an unbatched p2p op
+   gets a 2-rank communicator of its own per (group, pair of ranks); batches and collectives
+   use the group's. A header sent in a batch and received unbatched then never meet.
+3. Tags are ignored: per communicator, the i-th send A->B pairs with the i-th receive at B.
+4. Rendezvous: a send completes only when the peer's matching receive runs.
+
+Data travels over gloo on the default group with global ranks, on two reserved tags per
+communicator. The host blocks in ``Work.wait()`` (and in blocking calls, collectives without
+``async_op`` included), which raises ``RuntimeError`` ("... timed out ...", naming the op, its
+peers, the communicator and the mode) after its timeout: the argument, else ``install``'s,
+else env ``DS_VSHAPE_NCCL_TIMEOUT_S``, else 60 s. An error inside an entry is raised by
+``wait()``. After a timeout the communicator is wedged, as under NCCL: later entries never run.
+Not emulated: self send/recv, ops inside torch's ``_coalescing_manager`` (left to gloo).
+"""
+
+from __future__ import annotations
+
+from .emulator import MODE_ENV, MODES, TIMEOUT_ENV, env_mode, install, installed, mode, unfinished_ops, uninstall
+from .queues import EmulatedWork
+
+__all__ = ["MODES", "MODE_ENV", "TIMEOUT_ENV", "EmulatedWork", "env_mode", "install", "installed", "mode",
+           "unfinished_ops", "uninstall"]

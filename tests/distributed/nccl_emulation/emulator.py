@@ -1,0 +1,268 @@
+"""Routing of torch.distributed calls onto emulated communicators, and install/uninstall."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from .queues import CommKey, Communicator, EmulatedWork, P2P, Transport, in_worker
+
+__all__ = ["MODES", "MODE_ENV", "TIMEOUT_ENV", "env_mode", "install", "installed", "mode", "unfinished_ops", "uninstall"]
+
+MODES = ("eager", "lazy")
+MODE_ENV = "DS_VSHAPE_NCCL_EMULATION"  # set by tests/distributed/launch.py: "eager", "lazy" ("1" = eager)
+TIMEOUT_ENV = "DS_VSHAPE_NCCL_TIMEOUT_S"
+_P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+# Every tensor collective DeepSpeed reaches (deepspeed/comm/torch.py looks them up at call time,
+# except all_gather_into_tensor / reduce_scatter_tensor, cached at its init: install before it).
+# Object collectives are left alone: they call these. Calls made while an entry runs (torch's
+# deprecated names delegate to the new ones) run inline.
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_single",
+                "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_single",
+                "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter", "all_to_all", "all_to_all_single",
+                "barrier")
+
+
+class _Emulator:
+    """This rank's communicators (kept across uninstall: a wedged one stays wedged) and settings."""
+
+    def __init__(self, originals: dict[str, Callable[..., Any]]) -> None:
+        self.originals = originals
+        self.in_dist = {name for name in originals if hasattr(dist, name)}  # the rest live in c10d only
+        self.transport = Transport(originals["isend"], originals["irecv"])
+        self.mode = "eager"
+        self.timeout_s = 60.0
+        self.active = False
+        self._issue_lock = threading.Lock()  # issue order across host threads; communicator creation
+        self._comms: dict[CommKey, Communicator] = {}
+        self._tags: dict[int, CommKey] = {}
+        self._count = itertools.count(1)
+
+    def _communicator(self, key: CommKey) -> Communicator:
+        comm = self._comms.get(key)
+        if comm is None:
+            data_tag = key.tags()[0]
+            if self._tags.setdefault(data_tag, key) != key:
+                raise RuntimeError(f"nccl_emulation: communicators {self._tags[data_tag]} and {key} hash to one gloo "
+                                   "tag; change CommKey.tags")
+            comm = self._comms[key] = Communicator(key)
+        return comm
+
+    def _enqueue(self, key: CommKey, label: str, run: Callable[[Communicator], Any]) -> EmulatedWork:
+        with self._issue_lock:
+            comm = self._communicator(key)
+            work = EmulatedWork(f"{label} #{next(self._count)}", str(key), lambda: self.timeout_s, self.mode)
+            comm.put(functools.partial(run, comm), work)
+        return work
+
+    def p2p(self, ops: list[P2P], group: Any, *, batched: bool, label: str) -> EmulatedWork:
+        """Eager: the group's communicator. Lazy: a batch on the group's, an unbatched op on the
+        pair's own (so the two never meet)."""
+        pair = None
+        if not batched and self.mode == "lazy":
+            a, b = sorted((dist.get_rank(), ops[0].peer))
+            pair = (a, b)
+        return self._enqueue(CommKey(group.group_name, pair), label, functools.partial(_exchange, self.transport, ops))
+
+    def collective(self, name: str, group: Any, call: Callable[[], Any]) -> EmulatedWork:
+        """One entry on the group's communicator: the real gloo collective, run from its thread."""
+        return self._enqueue(CommKey(group.group_name), f"{name} on rank {dist.get_rank()}", lambda comm: call())
+
+    def unfinished(self) -> int:
+        with self._issue_lock:
+            return sum(comm.unfinished for comm in self._comms.values())
+
+
+def _exchange(transport: Transport, ops: list[P2P], comm: Communicator) -> None:
+    transport.exchange(ops, comm)
+
+
+_EMU: _Emulator | None = None
+
+
+def _passthrough(group: Any) -> bool:
+    """Calls the emulation leaves to torch: when off, inside an entry, or on a non-member rank."""
+    return _EMU is None or not _EMU.active or in_worker() or c10d._rank_not_in_group(group)
+
+
+def _group(group: Any) -> Any:
+    return group if group is not None else c10d._get_default_group()
+
+
+def _peer(group: Any, rank: int | None, group_rank: int | None, what: str) -> int:
+    if group_rank is not None:
+        return dist.get_global_rank(group, group_rank)
+    if rank is None:
+        raise ValueError(f"nccl_emulation: {what} needs a peer (NCCL has no receive from any source)")
+    dist.get_group_rank(group, rank)  # raises when the peer is not in the group
+    return rank
+
+
+def _op(kind: str, tensor: torch.Tensor, peer: int, what: str) -> P2P:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        raise ValueError(f"nccl_emulation: {what} needs one contiguous tensor")
+    if peer == dist.get_rank():
+        raise ValueError(f"nccl_emulation: rank {peer} cannot {what} to itself (not emulated)")
+    return P2P(kind, tensor, peer)
+
+
+def _describe(op: P2P) -> str:
+    where = f"to rank {op.peer}" if op.kind == "send" else f"from rank {op.peer}"
+    shape = f"{str(op.tensor.dtype).removeprefix('torch.')}{list(op.tensor.shape)}"
+    return f"{'isend' if op.kind == 'send' else 'irecv'} of {shape} {where}"
+
+
+def _unbatched(kind: str, tensor: torch.Tensor, peer: int | None, group: Any, tag: int, group_peer: int | None) -> EmulatedWork:
+    assert _EMU is not None
+    what = "isend" if kind == "send" else "irecv"
+    op = _op(kind, tensor, _peer(group, peer, group_peer, what), what)
+    label = f"{_describe(op)} on rank {dist.get_rank()} (tag {tag} ignored)"
+    return _EMU.p2p([op], group, batched=False, label=label)
+
+
+def _emulated_isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+                    group_dst: int | None = None) -> Any:
+    if _passthrough(group):
+        return _EMU.originals["isend"](tensor, dst, group, tag, group_dst)
+    return _unbatched("send", tensor, dst, _group(group), tag, group_dst)
+
+
+def _emulated_irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+                    group_src: int | None = None) -> Any:
+    if _passthrough(group):
+        return _EMU.originals["irecv"](tensor, src, group, tag, group_src)
+    return _unbatched("recv", tensor, src, _group(group), tag, group_src)
+
+
+def _emulated_send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+                   group_dst: int | None = None) -> None:
+    if _passthrough(group):
+        return _EMU.originals["send"](tensor, dst, group, tag, group_dst)
+    _unbatched("send", tensor, dst, _group(group), tag, group_dst).wait()
+    return None
+
+
+def _emulated_recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+                   group_src: int | None = None) -> int:
+    if _passthrough(group):
+        return _EMU.originals["recv"](tensor, src, group, tag, group_src)
+    group = _group(group)
+    peer = _peer(group, src, group_src, "recv")
+    _unbatched("recv", tensor, peer, group, tag, None).wait()
+    return peer  # like torch: the sender's global rank
+
+
+def _emulated_batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+    """All ops of the call are one entry on their group's communicator: ONE Work for all."""
+    assert _EMU is not None
+    if not p2p_op_list or any(not isinstance(p, dist.P2POp) for p in p2p_op_list):
+        raise ValueError("nccl_emulation: batch_isend_irecv needs a non-empty list of P2POp")
+    group = p2p_op_list[0].group  # P2POp resolved None to the default group, and peer to a global rank
+    if any(p.group != group for p in p2p_op_list):
+        raise ValueError("nccl_emulation: all ops of one batch_isend_irecv must use the same group")
+    if _passthrough(group):
+        return _EMU.originals["batch_isend_irecv"](p2p_op_list)
+    receives = (_emulated_irecv, _EMU.originals["irecv"])
+    ops = [_op("recv" if p.op in receives else "send", p.tensor, p.peer, "batch_isend_irecv") for p in p2p_op_list]
+    label = f"batch_isend_irecv [{', '.join(map(_describe, ops))}] on rank {dist.get_rank()}"
+    return [_EMU.p2p(ops, group, batched=True, label=label)]
+
+
+def _emulated_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        group = bound.arguments.get("group")
+        # Inside torch's _coalescing_manager the ops are recorded, not run: left to torch (not emulated).
+        if _passthrough(group) or _group(group) in c10d._world.pg_coalesce_state:
+            return original(*args, **kwargs)
+        async_op = bool(bound.arguments.get("async_op", False))
+        if "async_op" in bound.arguments:
+            bound.arguments["async_op"] = False  # run to completion on the communicator's thread
+        work = _EMU.collective(name, _group(group), functools.partial(original, *bound.args, **bound.kwargs))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    return collective
+
+
+_P2P_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "send": _emulated_send, "recv": _emulated_recv, "isend": _emulated_isend, "irecv": _emulated_irecv,
+    "batch_isend_irecv": _emulated_batch_isend_irecv,
+}
+
+
+def env_mode(value: str | None) -> str | None:
+    """The mode the env var ``MODE_ENV`` asks for: None when unset or empty."""
+    if not value:
+        return None
+    if value == "1":
+        return "eager"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r}: use 'eager', 'lazy' or '1' (eager)")
+    return value
+
+
+def install(*, mode: str = "eager", timeout_s: float | None = None) -> None:
+    """Route p2p ops and collectives through the emulation, in ``mode`` ("eager": device bound at
+    init, as DeepSpeed does on GPUs; "lazy": none bound). Installing again sets the mode and the
+    timeout for ops issued from then on (every rank must switch at the same point)."""
+    global _EMU
+    if mode not in MODES:
+        raise ValueError(f"nccl_emulation: mode must be one of {MODES}, got {mode!r}")
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
+    names = _P2P + tuple(n for n in _COLLECTIVES if hasattr(c10d, n))
+    if _EMU is None:
+        _EMU = _Emulator({name: getattr(c10d, name) for name in names})
+    _EMU.mode, _EMU.timeout_s = mode, timeout_s
+    if _EMU.active:
+        return
+    for name in names:
+        fn = _P2P_REPLACEMENTS.get(name) or _emulated_collective(name, _EMU.originals[name])
+        setattr(c10d, name, fn)  # P2POp's op check and c10d-internal callers
+        if name in _EMU.in_dist:
+            setattr(dist, name, fn)
+    _EMU.active = True
+
+
+def uninstall() -> None:
+    """Restore torch's functions (communicators and their threads stay, wedged ones parked)."""
+    if _EMU is None or not _EMU.active:
+        return
+    for name, fn in _EMU.originals.items():
+        setattr(c10d, name, fn)
+        if name in _EMU.in_dist:
+            setattr(dist, name, fn)
+    _EMU.active = False
+
+
+def installed() -> bool:
+    return _EMU is not None and _EMU.active
+
+
+def mode() -> str | None:
+    """The installed mode, None when not installed."""
+    return _EMU.mode if installed() else None
+
+
+def unfinished_ops() -> int:
+    """Queue entries not yet completed, installed or not: > 0 after a timed-out wait.
+
+    A process whose worker threads are parked inside gloo waits aborts in interpreter teardown;
+    callers that know they wedged a communicator exit with ``os._exit`` instead.
+    """
+    return _EMU.unfinished() if _EMU is not None else 0
