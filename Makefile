@@ -20,7 +20,7 @@ endif
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady clean-venv
+.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload clean-venv
 
 venv: $(STAMP)
 
@@ -94,3 +94,9 @@ clean-venv:
 # (benchmarks/results/zero.md), 4 CPU ranks, about a minute.
 bench-zero: venv
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29533 benchmarks/bench_zero.py
+
+# Activation offload (pipeline.offload) on the recipe's Llama at p=4: device and host activation bytes per rank
+# against 1F1B (benchmarks/results/offload.md), 4 CPU ranks, about a minute.
+bench-offload: venv
+	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/offload.jsonl
+	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29539 benchmarks/bench_offload.py --out benchmarks/results/raw/offload.jsonl --md benchmarks/results/offload.md

@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.utils import logger
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
 from .runtime.measuring.auto import AutoEngine
@@ -27,8 +28,10 @@ from .runtime.transfers.device import bind_local_device
 from .runtime.dropin.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.measuring.profile import profiled_cut
 from .runtime.dropin.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
+from .runtime.offload.offloader import check_offload_config, offload_notes
 from .runtime.program.seq_chunks import check_module as check_seq_chunk_module
 from .runtime.step_end.tensor_parallel import model_parallel_size
+from .runtime.program.seq_chunks import partition_dims
 from .runtime.step_end.post_validation import check_post_validation_config
 from .runtime.zero.zero import check_zero_config
 from .schedules import Schedule, get_info
@@ -62,6 +65,10 @@ def initialize(
         optimizer, model_parameters = _carry_optimizer_setup(model, module, optimizer, model_parameters, lr_scheduler)
         release_stock_layers(model, module)  # after the groups and optimizer were mapped from it
     ds_config = DeepSpeedConfig(config_dict, module.mpu())
+    if ds_dist.get_rank() == 0:
+        for note in offload_notes(vs.offload_share, checkpoint_interval=module.activation_checkpoint_interval,
+                                  split_backward=schedule.uses_split_backward):
+            logger.warning(note)
     # The schedule is made here, once; the engine gets it, and the same generator for batch
     # ramp-up, but never the config itself.
     auto = {}
@@ -74,7 +81,8 @@ def initialize(
         collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
         p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
-        speculate_after=vs.speculate_after, **auto,
+        speculate_after=vs.speculate_after, offload=vs.offload_share, seq_partition=vs.seq_partition,
+        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -143,11 +151,14 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         raise ConfigError(str(err)) from None
     try:
         check_post_validation_config(config, enabled=vs.post_validation)
+        check_offload_config(config, share=vs.offload_share)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if schedule.seq_chunks > 1:  # only ds_vshape.hf layers know how to run one chunk of a sequence
         try:
             check_seq_chunk_module(model, schedule.seq_chunks, info.name)
+            if vs.seq_partition == "compute":
+                partition_dims(model)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if len(model._layer_specs) < schedule.num_model_stages:

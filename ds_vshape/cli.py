@@ -80,6 +80,11 @@ def build_parser(*, prog: str = "ds-vshape") -> argparse.ArgumentParser:
     sim.add_argument("--ops", type=int, metavar="RANK", help="also print the operations pipeline rank RANK executes per step "
                      "(lowered: transfers, ZeRO's reduce_stage_grads and gather_params/release_params, the step tail)")
     _add_seq_partition_options(sim)
+    off = sim.add_argument_group("activation offload (pipeline.offload)")
+    off.add_argument("--offload", type=float, default=0.0, metavar="S",
+                     help="share of each rank's activation offloaded to host between F and B, 0..1 (default 0)")
+    off.add_argument("--t-copy", type=float, default=0.0, metavar="T",
+                     help="time to copy one M_B between device and host, one way (default 0)")
     sim.set_defaults(handler=_cmd_simulate)
 
     cmp = sub.add_parser(
@@ -137,7 +142,8 @@ def _add_seq_partition_options(parser: argparse.ArgumentParser) -> None:
 def _costs(args: argparse.Namespace) -> Costs:
     if not 0.0 <= args.w_memory <= 1.0:  # named as the flag, not as the Costs field
         raise ValueError(f"--w-memory must be between 0 and 1, got {args.w_memory}")
-    return Costs(f=args.t_f, b=args.t_b, w=args.t_w, comm=args.t_comm, w_memory=args.w_memory)
+    return Costs(f=args.t_f, b=args.t_b, w=args.t_w, comm=args.t_comm, w_memory=args.w_memory,
+                 copy=getattr(args, "t_copy", 0.0))
 
 
 def _kept_until_w(args: argparse.Namespace, costs: Costs) -> float:
@@ -177,9 +183,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     partition = _seq_partition(args, schedule.seq_chunks)
     if partition is not None:
         costs = dataclasses.replace(costs, seq_weights=partition[1])
-    result = simulate(schedule, costs, kept_until_w=kept)
+    result = simulate(schedule, costs, kept_until_w=kept, offload=args.offload)
     baseline = _baseline(args.stages, args.micro_batches, dataclasses.replace(costs, seq_weights=None), kept)
     print(_simulate_header(schedule, costs, kept))
+    if args.offload:
+        print(f"offload {args.offload:g} (copy {costs.copy:g} per M_B one way): device peak per rank "
+              f"{' '.join(f'{x:.2f}' for x in result.peak_memory)} M_B, host peak per rank "
+              f"{' '.join(f'{x:.2f}' for x in result.peak_host_memory)} M_B")
     print()
     if partition is not None:
         print(_partition_table(args, *partition))

@@ -8,7 +8,7 @@ of ours or one DeepSpeed knows; anything else is an error that suggests the clos
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -37,6 +37,10 @@ class PipelineConfig(BaseModel):
                                  "fastest of auto_placement's schedules within memory_limit); absent means stock DeepSpeed 1F1B.")
     chunks: int | None = Field(None, ge=1, description="Model stages per rank for interleaved / breadth-first (V schedules always use 2).")
     seq_chunks: int | None = Field(None, ge=1, description="Sequence chunks per micro-batch (k), for the schedules that cut sequences (`ds-vshape list`). The simulator and CLI take any k; the engine runs k > 1 only for models built with ds_vshape.hf.pipeline_layers (sequence length a multiple of k, no activation checkpointing).")
+    seq_partition: Literal["equal", "compute"] = Field(
+        "equal", description="Where sequence chunks are cut (seq_chunks > 1): 'equal' lengths, or 'compute' so that every "
+        "chunk has the same causal cost (attention over a longer prefix makes later chunks shorter; from the model's "
+        "hidden size, heads and FFN width; any sequence length). 'compute' sends shapes with every transfer.")
     memory_limit: float | None = Field(None, gt=0, description="Activation memory limit in units of M_B (v-adaptive, zb-auto, auto).")
     memory_limit_bytes: float | None = Field(
         None, gt=0, description="auto only: activation memory limit per rank in bytes, against the measured bytes per pass "
@@ -91,6 +95,16 @@ class PipelineConfig(BaseModel):
         "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
     )
 
+    offload: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
+        0.0,
+        description="Share of each rank's activation memory moved to host memory between a unit's forward and its "
+        "backward (PipeOffload; 0: off). Whole model stages go first, the longest-lived first (with V placement the "
+        "first chunk); copies run on their own streams and a unit comes back during the pass before its backward. "
+        "Exact. Stays on the device: a stage's inputs and outputs, later sequence chunks' keys/values, and what split "
+        "backward keeps from B to W. 'auto' (schedule 'auto' only): auto picks a share per candidate under "
+        "memory_limit, from the measured host copy rate.",
+    )
+
     def make_schedule(self, stages: int, micro_batches: int, *, check: bool = True) -> Schedule:
         """The schedule this config asks for, for p pipeline ranks and m micro-batches."""
         if self.schedule is None:
@@ -105,6 +119,11 @@ class PipelineConfig(BaseModel):
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
                                   memory_limit=self.memory_limit, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                                   w_memory=self.w_memory)
+
+    @property
+    def offload_share(self) -> float:
+        """The share the engine starts with (auto's measuring steps run without offload under ``"auto"``)."""
+        return 0.0 if self.offload == "auto" else float(self.offload)
 
     @field_validator("schedule")
     @classmethod
@@ -124,7 +143,8 @@ class PipelineConfig(BaseModel):
         return AutoSettings(placement=self.auto_placement or "v", warmup_steps=self.auto_warmup_steps or 2,
                             names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
-                            w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit)
+                            w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit,
+                            offload=None if self.offload == "auto" else self.offload)
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:
@@ -135,18 +155,26 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"pipeline.{key} applies only with pipeline.partition_method 'profile'; set that or remove it")
         if self.schedule is None:
             extra = [k for k in ("chunks", "seq_chunks", "memory_limit", *AUTO_KEYS) if getattr(self, k) is not None]
+            extra += ["seq_partition"] if self.seq_partition != "equal" else []
             extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
             extra += ["post_validation"] if self.post_validation else []
+            extra += ["offload"] if self.offload else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self
         check_auto_options(self.schedule, placement=self.auto_placement, warmup_steps=self.auto_warmup_steps,
                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks,
                            memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes)
+        if self.offload == "auto" and self.schedule != "auto":
+            raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
+                             "give a share from 0 to 1")
         info = get_info(self.first_schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
             raise ValueError(f"pipeline.seq_chunks applies only to the schedules that cut sequences (`ds-vshape list` shows --seq-chunks), not {self.schedule!r}; remove it or pick one of those")
+        if self.seq_partition != "equal" and (self.seq_chunks or info.default_seq_chunks) == 1:
+            raise ValueError(f"pipeline.seq_partition {self.seq_partition!r} applies only with sequence chunks, and "
+                             f"{self.schedule!r} runs whole sequences here; set pipeline.seq_chunks > 1 or remove seq_partition")
         if self.memory_limit is not None and not info.memory_limit and self.schedule != "auto":
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self

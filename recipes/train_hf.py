@@ -218,7 +218,7 @@ def check_seq_len(config: dict[str, Any], seq_len: int, source: str) -> None:
     wait for its activations; here every rank stops before building anything.
     """
     parsed = parse_pipeline_config(config)
-    if parsed.schedule is None:
+    if parsed.schedule is None or parsed.seq_partition == "compute":  # compute-wise chunks take any length
         return
     # auto measures and then runs every schedule with the config's seq_chunks (1 when absent);
     # a named schedule falls back to its own default (seq1f1b: 2).
@@ -229,8 +229,8 @@ def check_seq_len(config: dict[str, Any], seq_len: int, source: str) -> None:
         below, above = seq_len - seq_len % k, seq_len - seq_len % k + k
         options = f"--seq-len {below} or {above}" if below else f"--seq-len {above}"
         raise SystemExit(f"train_hf.py: --seq-len {seq_len} is not a multiple of {which} in {source}: the engine cuts "
-                         f"every sequence into {k} equal chunks; use {options}, or set pipeline.seq_chunks to a divisor "
-                         f"of {seq_len}")
+                         f"every sequence into {k} equal chunks; use {options}, set pipeline.seq_chunks to a divisor "
+                         f"of {seq_len}, or set pipeline.seq_partition to \"compute\"")
 
 
 def resume(engine: Any, directory: Path | None) -> int:

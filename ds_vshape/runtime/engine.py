@@ -18,7 +18,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
-from ..schedules import F, Schedule
+from ..schedules import F, Kind, Schedule
 from ..schedules.lowering import programs
 from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
@@ -27,6 +27,7 @@ from .program import instructions as ins
 from .transfers.comm import ACT, GRAD, P2P, Recv
 from .transfers.p2p_groups import neighbour_pairs, pair_groups
 from .measuring.memory import ActivationMeter
+from .offload.offloader import Offloader
 from .step_end.precision import scale_loss
 from .program.seq_chunks import SeqChunks
 from .split.split_backward import WeightGradStore, enable_split_backward
@@ -45,12 +46,15 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
                  measure_memory: bool = False, post_validation: bool = False, speculate_after: int | None = None,
+                 offload: float = 0.0, seq_partition: str = "equal", seq_dims: dict[str, int] | None = None,
                  **kwargs: Any) -> None:
         """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
         ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
         information and check the global norm later, and after ``speculate_after`` steps
-        that stood, start the next step before the check arrives (``runtime/step_end/post_validation.py``)."""
+        that stood, start the next step before the check arrives (``runtime/step_end/post_validation.py``);
+        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload``);
+        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/program/seq_chunks.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -71,14 +75,16 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         # config, or this attribute) and on the steps that log memory.
         self.measure_memory: bool = measure_memory
         self._measuring = False
-        self.peak_activation_bytes: int | None = None  # None until a step measured it
+        self.peak_activation_bytes: int | None = None  # None until a step measured it; device-resident bytes
+        self.peak_host_activation_bytes: int | None = None  # offloaded to host memory, same steps
         self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
         self.peak_inflight_bytes = 0
+        self._seq = SeqChunks(self.stage_id, partition=seq_partition, dims=seq_dims)
         self._p2p = self._make_p2p(p2p_timeout_s)
         self._zero_reducer = self._stage_grad_reducer()
         self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
-        self._seq = SeqChunks(self.stage_id)
+        self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id)
         self._reset_step_state()
 
     def _make_p2p(self, timeout_s: float) -> P2P:
@@ -87,7 +93,8 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         groups = pair_groups(pipelines, neighbour_pairs(self._vs_placement), dist.get_rank())
         return P2P(
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)], groups=groups,
-            device=self.device, timeout_s=timeout_s, my_rank=self.stage_id, dynamic_shape=bool(self.dynamic_shape),
+            device=self.device, timeout_s=timeout_s, my_rank=self.stage_id,
+            dynamic_shape=bool(self.dynamic_shape) or self._seq.unequal,  # unequal chunks: shapes with every transfer
             stream_waits=dist.get_backend() == "nccl",
         )
 
@@ -160,6 +167,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._settle_before_passes()  # the previous step's post-validation
         self._reset_step_state()
         self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
+        self._offload.start_step(pipe_schedule.schedule, pipe_schedule.ops, train=self.module.training)
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
         self._measuring = self.measure_memory or logs
         self._meter.reset_peak()
@@ -174,16 +182,19 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
             # What was posted cannot be cancelled; the next step must not pair with it.
             self._p2p.abandon(err)
             self._store.clear()
+            self._offload.clear()
             raise
         finally:
             self.peak_inflight_bytes = self._p2p.peak_inflight_bytes
             if self._measuring:
                 self.peak_activation_bytes = self._meter.peak_bytes
                 self.peak_memory_bytes = self._meter.peak_total_bytes
+                self.peak_host_activation_bytes = self._meter.peak_host_bytes
         if logs:
             log.info("ds_vshape: pipeline rank %d (%s) peak activation memory %.2f MiB, with transfer buffers %.2f MiB",
                      self.stage_id, self.schedule.name, self.peak_activation_bytes / 2**20, self.peak_memory_bytes / 2**20)
         leftovers = [k for d in (self._act_in, self._grad_in) for k in d] + self._store.pending() + self._seq.pending()
+        leftovers += self._offload.pending()
         if leftovers:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone for units {leftovers[:4]}")
 
@@ -201,8 +212,11 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
         split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
-        with self._meter.recording() if self._measuring else nullcontext(), split, chunk:
+        self._offload.before_pass(Kind.F, unit)
+        with self._offload.forward(unit, _tensors(inputs), measure=self._measuring), split, chunk:
             outputs = self.module.forward_stage(stage, inputs)
+        # What lives on anyway stays on the device: the stage's inputs and outputs, later chunks' K/V.
+        self._offload.after_forward(unit, (*_tensors(inputs), *_tensors(outputs), *self._seq.kept_tensors()))
         if not self.module.training:
             # DeepSpeed's contiguous activation checkpointing fills a fixed pool per forward and
             # frees it in backward; evaluation has none, so reset it after each pass, as
@@ -266,11 +280,13 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
             self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
 
     def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        self._offload.before_pass(Kind.B, (stage, micro_batch, seq_chunk))
         with self._store.deferring((stage, micro_batch, seq_chunk)):
             self._backward(stage, micro_batch, seq_chunk, buffer_id)
         self._meter.set_extra(self._store.parked_bytes)
 
     def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
+        self._offload.before_pass(Kind.W, (stage, micro_batch, seq_chunk))
         self._store.run((stage, micro_batch, seq_chunk))
         self._meter.set_extra(self._store.parked_bytes)
         self._after_grads()
@@ -279,6 +295,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         # Under a split schedule the forward went through split_ops: a checkpointed block's
         # re-run must too, or it would save other tensors than the forward did.
         unit = (stage, micro_batch, seq_chunk)
+        self._offload.before_pass(Kind.BW, unit)
         fused = self._store.backward_of(unit, defer=False) if self.schedule.uses_split_backward else nullcontext()
         with fused:
             self._backward(stage, micro_batch, seq_chunk, buffer_id)

@@ -10,6 +10,11 @@ The rules live here and in the registry: the placement of each schedule is its r
 entry's ``placement``; the schedule run while measuring is ``SAFE[placement]`` (split
 backward where the family has it, so B and W are measured apart; the least memory of its
 family otherwise equal).
+
+Activation offload: with ``"offload": "auto"`` (``AutoSettings.offload`` None), a memory limit
+and a measured host copy rate, each candidate is also simulated with the shares
+``OFFLOAD_SHARES`` (copies timed from that rate) and keeps the fastest share that fits (the
+smaller one on a tie); a share given as a number is used as is.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .costs import Costs
-from .ir import Kind, Schedule
+from .ir import Schedule
+from .offload import offload_plan
 from .registry import generate, get_info, schedule_names
-from .simulate import simulate
+from .simulate import memory_peaks, simulate
 
-__all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "to_costs",
+__all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "OFFLOAD_SHARES", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "to_costs",
            "peak_bytes", "pick", "make_chosen", "AUTO_KEYS", "check_auto_options"]
 
 PLACEMENTS = ("linear", "v", "looped")
@@ -32,6 +38,8 @@ SAFE = {"linear": "zb-h1", "v": "v-min", "looped": "interleaved"}
 # Each placement's generator that keeps a memory limit (M_B): what auto measures under when
 # the safe schedule would hold more than the limit.
 BOUNDED = {"linear": "zb-auto", "v": "v-adaptive"}
+# The offload shares auto tries under a memory limit when none is set.
+OFFLOAD_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 # The config keys that only auto reads.
 AUTO_KEYS = ("auto_placement", "auto_warmup_steps", "auto_candidates", "memory_limit_bytes")
 
@@ -51,6 +59,7 @@ class AutoSettings:
     zero_stage: int = 0
     warmup_schedule: str | None = None  # what the measuring steps run (measuring_schedule); None: SAFE's
     warmup_limit: float | None = None  # its memory limit in M_B, for a BOUNDED one
+    offload: float | None = 0.0  # the config's offload share; None ("auto"): auto picks one under a memory limit
 
     @property
     def safe(self) -> str:
@@ -60,8 +69,9 @@ class AutoSettings:
 @dataclass(frozen=True)
 class Measured:
     """Per model stage: median seconds of F, B, W (B and W: the halves of a fused BW when a
-    stage ran none apart), activation bytes one F keeps; seconds of one hop; and the median
-    wall time of a measured step under the safe schedule (0: unknown)."""
+    stage ran none apart), activation bytes one F keeps; seconds of one hop; the median
+    wall time of a measured step under the safe schedule (0: unknown); and seconds per byte
+    of a copy between device and host memory, one way (0: unknown, offload then costs nothing)."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
@@ -69,6 +79,7 @@ class Measured:
     activation_bytes: tuple[float, ...]
     comm: float = 0.0
     step: float = 0.0
+    copy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Candidate:
     peak_bytes: float  # the busiest rank's activations, from the measured bytes per stage
     fits: bool
     params: dict = field(default_factory=dict, compare=False)
+    offload: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,11 +101,13 @@ class Choice:
     costs: Costs
     memory_limit: float | None  # in M_B, as handed to the generators that take one
     table: tuple[Candidate, ...]
+    offload: float = 0.0  # the share the chosen schedule runs with
 
     def summary(self) -> str:
-        rows = "; ".join(f"{c.name} {c.makespan * 1e3:.2f} ms {c.peak_bytes / 2**20:.2f} MiB{'' if c.fits else ' (over limit)'}"
-                         for c in self.table)
-        return f"{self.name} (predicted step {self.predicted_s * 1e3:.2f} ms; candidates: {rows})"
+        rows = "; ".join(f"{c.name}{f' offload {c.offload:g}' if c.offload else ''} {c.makespan * 1e3:.2f} ms "
+                         f"{c.peak_bytes / 2**20:.2f} MiB{'' if c.fits else ' (over limit)'}" for c in self.table)
+        share = f" with offload {self.offload:g}" if self.offload else ""
+        return f"{self.name}{share} (predicted step {self.predicted_s * 1e3:.2f} ms; candidates: {rows})"
 
 
 def check_auto_options(schedule: str, *, placement: str | None, warmup_steps: int | None, names: Sequence[str] | None,
@@ -169,26 +183,26 @@ def candidates(settings: AutoSettings, *, stages: int, micro_batches: int) -> li
 
 def to_costs(measured: Measured, *, chunks_per_rank: int, w_memory: float) -> Costs:
     """Simulator costs: F, B, W of a 1/p slice (v chunks) at the stages' mean, each stage's
-    total relative to the mean as ``stage_scale``, and the hop time as ``comm``."""
+    total relative to the mean as ``stage_scale``, the hop time as ``comm``, and the time to
+    copy one M_B (the stages' bytes over p) to host as ``copy``."""
     mean = [statistics.fmean(x) for x in (measured.f, measured.b, measured.w)]
     total = sum(mean)
     scale = tuple((f + b + w) / total for f, b, w in zip(measured.f, measured.b, measured.w)) if total > 0 else None
     v = chunks_per_rank
-    return Costs(f=mean[0] * v, b=mean[1] * v, w=mean[2] * v, comm=measured.comm, stage_scale=scale, w_memory=w_memory)
+    m_b = sum(measured.activation_bytes) * v / len(measured.activation_bytes) if measured.activation_bytes else 0.0
+    return Costs(f=mean[0] * v, b=mean[1] * v, w=mean[2] * v, comm=measured.comm, stage_scale=scale, w_memory=w_memory,
+                 copy=measured.copy * m_b)
 
 
-def peak_bytes(schedule: Schedule, stage_bytes: Sequence[float], *, kept_until_w: float) -> tuple[float, ...]:
-    """Each rank's peak activation bytes: the simulator's count, weighted by each stage's bytes."""
+def peak_bytes(schedule: Schedule, stage_bytes: Sequence[float], *, kept_until_w: float,
+               offload: float = 0.0) -> tuple[float, ...]:
+    """Each rank's peak device activation bytes: the simulator's count, weighted by each stage's
+    bytes, with ``offload`` of each rank's activation planned to host (``schedules.offload``)."""
     share = 1.0 / schedule.seq_chunks
-    peaks = []
-    for actions in schedule.ranks:
-        level = peak = 0.0
-        for a in actions:
-            held = share * stage_bytes[a.stage]
-            level += {Kind.F: held, Kind.B: -held * (1 - kept_until_w), Kind.W: -held * kept_until_w}.get(a.kind, -held)
-            peak = max(peak, level)
-        peaks.append(peak)
-    return tuple(peaks)
+    weight = lambda a: share * stage_bytes[a.stage]  # noqa: E731
+    return tuple(memory_peaks(actions, weight, kept_until_w=kept_until_w,
+                              plan=offload_plan(schedule, r, offload) if offload > 0 else None)[0]
+                 for r, actions in enumerate(schedule.ranks))
 
 
 def pick(settings: AutoSettings, measured: Measured, *, stages: int, micro_batches: int) -> Choice:
@@ -205,21 +219,35 @@ def pick(settings: AutoSettings, measured: Measured, *, stages: int, micro_batch
     limit_mb = settings.memory_limit if settings.memory_limit is not None else (
         limit_bytes / m_b if limit_bytes is not None and m_b > 0 else None)
     overhead = _overhead(settings, measured, costs, stages, micro_batches)
+    # Offload only where it is needed (a limit) and can be costed (a measured copy rate).
+    tries = OFFLOAD_SHARES if limit_bytes is not None and measured.copy > 0 else (0.0,)
+    shares = (settings.offload,) if settings.offload is not None else tries
     table = []
     for name in candidates(settings, stages=stages, micro_batches=micro_batches):
         try:
             schedule = _make(name, settings, stages, micro_batches, costs, limit_mb)
         except ValueError:  # e.g. v-adaptive below its least memory: not a candidate here
             continue
-        peak = max(peak_bytes(schedule, measured.activation_bytes, kept_until_w=settings.w_memory))
-        fits = limit_bytes is None or peak <= limit_bytes * (1 + 1e-9)
-        table.append(Candidate(name, simulate(schedule, costs).makespan + overhead, peak, fits, dict(schedule.params)))
+        table.append(_best_share(name, schedule, shares, measured, costs, settings.w_memory, limit_bytes, overhead))
     if not table:
         raise ValueError(f"schedule auto found no schedule of placement {settings.placement!r} for p={stages}, "
                          f"m={micro_batches}, k={settings.seq_chunks}; widen pipeline.auto_candidates or raise m")
     table.sort(key=lambda c: (not c.fits, c.makespan if c.fits else c.peak_bytes, c.peak_bytes))
     best = table[0]
-    return Choice(best.name, best.makespan, costs, limit_mb if get_info(best.name).memory_limit else None, tuple(table))
+    return Choice(best.name, best.makespan, costs, limit_mb if get_info(best.name).memory_limit else None, tuple(table),
+                  offload=best.offload)
+
+
+def _best_share(name: str, schedule: Schedule, shares: Sequence[float], measured: Measured, costs: Costs, w_memory: float,
+                limit_bytes: float | None, overhead: float) -> Candidate:
+    """The schedule at the fastest share that fits the limit (the smaller share on a tie), else at its least memory."""
+    options = []
+    for share in shares:
+        peak = max(peak_bytes(schedule, measured.activation_bytes, kept_until_w=w_memory, offload=share))
+        fits = limit_bytes is None or peak <= limit_bytes * (1 + 1e-9)
+        makespan = simulate(schedule, costs, offload=share).makespan + overhead
+        options.append(Candidate(name, makespan, peak, fits, dict(schedule.params), offload=share))
+    return min(options, key=lambda c: (not c.fits, c.makespan if c.fits else c.peak_bytes, c.offload))
 
 
 def _overhead(settings: AutoSettings, measured: Measured, costs: Costs, stages: int, micro_batches: int) -> float:

@@ -22,6 +22,9 @@ class Costs:
     split backward frees only the rest at B (about 0.3-0.6 for a transformer layer). The
     split-backward generators keep their memory bound counting that share as live until W,
     and ``simulate`` counts it by default; 0 frees everything at B, 1 keeps it all until W.
+
+    ``copy`` is the time to move one M_B between device and host memory, one way (M_B bytes
+    over the host link's bandwidth): what activation offload costs (``simulate(offload=...)``).
     """
 
     f: float = 1.0
@@ -31,9 +34,10 @@ class Costs:
     seq_weights: tuple[float, ...] | None = None
     stage_scale: tuple[float, ...] | None = None
     w_memory: float = 0.0
+    copy: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm"):
+        for name in ("f", "b", "w", "comm", "copy"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.w_memory <= 1.0:  # also rejects NaN

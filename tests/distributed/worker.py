@@ -297,7 +297,7 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     data = []
     for _ in range(steps * m):
-        ids = torch.randint(0, 96, (2, 16), generator=g)
+        ids = torch.randint(0, 96, (2, case.get("seq_len", 16)), generator=g)
         labels = ids.clone()
         labels[:, :3] = -100  # ignore-index honoured
         if case.get("seq"):
@@ -310,7 +310,12 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     diffs = {name: (mine.detach() - theirs.detach()).abs().max().item() for name, mine, theirs in twins}
     worst = max(diffs, key=diffs.__getitem__, default=None)
     result = {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs.get(worst, 0.0), "worst_param": worst,
-              "params_compared": len(twins)}
+              "params_compared": len(twins), "peak_activation_bytes": engine.peak_activation_bytes,
+              "peak_host_activation_bytes": engine.peak_host_activation_bytes,
+              "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()]}
+    choice = getattr(engine, "auto_choice", None)
+    if choice is not None:
+        result["auto"] = {"name": choice.name, "offload": choice.offload, "table": choice.summary()}
     if case.get("eval"):  # forward-only, whole micro-batches, after chunked training
         result["eval_loss"] = engine.eval_batch(iter(data[:m])).item()
         with torch.no_grad():
@@ -413,7 +418,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     trace = _trace_b_w(engine) if case.get("bw_trace") else None
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None),
-                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace}
+                              "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace,
+                              "peak_host_activation_bytes": getattr(engine, "peak_host_activation_bytes", None),
+                              "offloaded_units": engine._offload.offloaded_units if hasattr(engine, "_offload") else None}
     result["device_max_allocated_bytes"] = _device_peak()
     result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)

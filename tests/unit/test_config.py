@@ -25,6 +25,8 @@ def test_aliases_resolve_to_the_registered_name() -> None:
         ({"chunks": 2}, "pipeline.schedule is not"),
         ({"schedule": "1f1b", "memory_limit": 2}, "memory_limit"),
         ({"schedule": "1f1b", "p2p_timeout_s": -1}, "p2p_timeout_s"),
+        ({"offload": 0.5}, "pipeline.offload is set but pipeline.schedule is not"),
+        ({"schedule": "v-half", "offload": 1.5}, "pipeline.offload"),
     ],
 )
 def test_bad_blocks_name_the_field_and_the_fix(block: dict, needle: str) -> None:

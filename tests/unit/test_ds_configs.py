@@ -81,8 +81,10 @@ def test_recipe_default_seq_len_suits_every_config(path: Path) -> None:
 def test_recipe_refuses_a_seq_len_the_chunks_cannot_cut() -> None:
     raw = _load(CONFIG_DIR / "seq1f1b.json")
     with pytest.raises(SystemExit, match=r"--seq-len 1022 is not a multiple of pipeline.seq_chunks=4 in s.json.*"
-                                         r"use --seq-len 1020 or 1024, or set pipeline.seq_chunks to a divisor of 1022"):
+                                         r"use --seq-len 1020 or 1024, set pipeline.seq_chunks to a divisor of 1022, "
+                                         r"or set pipeline.seq_partition to \"compute\""):
         _check_seq_len()(raw, 1022, "s.json")
+    _check_seq_len()({**raw, "pipeline": {**raw["pipeline"], "seq_partition": "compute"}}, 1022, "s.json")
     default_k = {**raw, "pipeline": {"schedule": "seq1f1b"}}
     with pytest.raises(SystemExit, match=r"pipeline.seq_chunks=2 \(seq1f1b's default\).*use --seq-len 2 or 4"):
         _check_seq_len()(default_k, 3, "s.json")

@@ -99,12 +99,12 @@ class AutoEngine(VShapeEngine):
         if not self._auto_recording:
             handler(self, **kwargs)
             return
-        before = self._meter.live_bytes
+        before = self._meter.saved_bytes  # where they live: offloaded bytes are the forward's too
         start = _now()
         handler(self, **kwargs)
         self._auto_times[(kind, kwargs["stage"])].append(_now() - start)
         if kind == "F":
-            self._auto_bytes[kwargs["stage"]].append(self._meter.live_bytes - before)
+            self._auto_bytes[kwargs["stage"]].append(self._meter.saved_bytes - before)
 
     def _exec_send_act(self, **kwargs: Any) -> None:  # type: ignore[override]
         if self._auto_recording:
@@ -139,6 +139,22 @@ class AutoEngine(VShapeEngine):
                     mine = statistics.median(trips) / 2
         return mine
 
+    def _copy_seconds_per_byte(self, samples: list[int]) -> float:
+        """One way between device and host memory (pinned on CUDA): half the median round trip of one
+        forward's activation bytes, per byte (0 when nothing was measured)."""
+        nbytes = int(statistics.median(samples)) if samples else 0
+        if nbytes <= 0:
+            return 0.0
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        trips = []
+        for _ in range(_ROUND_TRIPS):
+            start = _now()
+            host.copy_(device, non_blocking=True)
+            device.copy_(host, non_blocking=True)
+            trips.append(_now() - start)
+        return statistics.median(trips) / 2 / nbytes
+
     # ---- choosing -------------------------------------------------------------------------
     def _choose(self) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -146,7 +162,7 @@ class AutoEngine(VShapeEngine):
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # both ends of every hop time the same message
         hop = self._hop_seconds(int(largest.item()))
         local = {"times": dict(self._auto_times), "bytes": dict(self._auto_bytes), "hop": hop,
-                 "step": self._auto_step_time}
+                 "step": self._auto_step_time, "copy": self._copy_seconds_per_byte([n for v in self._auto_bytes.values() for n in v])}
         dist.all_gather_object(gathered, local)
         box: list[Any] = [None]
         if dist.get_rank() == 0:  # one rank decides; every rank builds the same schedule from it
@@ -173,6 +189,7 @@ class AutoEngine(VShapeEngine):
                                   root=self.module)
         self.schedule = schedule
         self._train_ir = self._ir(schedule)
+        self._offload.set_share(choice.offload)
         # Batch ramp-up from now on regenerates the chosen schedule, not the safe one.
         self._make_schedule = lambda m: make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=m)
         self.auto_choice = choice
@@ -211,7 +228,9 @@ def _merge(gathered: list[dict[str, Any]], stages: int, *, seq_chunks: int) -> M
     act = tuple(statistics.median(nbytes[s]) * seq_chunks if nbytes.get(s) else 0.0 for s in range(stages))
     hops = [g["hop"] for g in gathered if g["hop"] > 0]
     step = max(g["step"] for g in gathered)  # the step ends when its slowest rank does
-    return Measured(tuple(f), tuple(b), tuple(w), act, comm=statistics.median(hops) if hops else 0.0, step=step)
+    copies = [g.get("copy", 0.0) for g in gathered if g.get("copy", 0.0) > 0]
+    return Measured(tuple(f), tuple(b), tuple(w), act, comm=statistics.median(hops) if hops else 0.0, step=step,
+                    copy=statistics.median(copies) if copies else 0.0)
 
 
 def _log_choice(measured: Measured, choice: Choice, settings: AutoSettings) -> None:

@@ -8,6 +8,10 @@ sequence chunks where autograd does not hold them, are added by the engine (``se
 since they are activation memory too. Transfer buffers still in flight (``source="p2p"``) are counted beside it:
 ``peak_bytes`` is the activations the schedule plans for, ``peak_total_bytes`` adds the
 transfer buffers held at the same moment.
+
+With activation offload (``runtime/offload``) the offloaded units' storages are counted by
+the offloader: those on the device as ``source="offload"`` (part of ``peak_bytes``), those in
+host memory through ``set_host`` (``host_bytes``, ``peak_host_bytes``), never in both.
 """
 
 from __future__ import annotations
@@ -35,18 +39,45 @@ class ActivationMeter:
         self._param_ptrs = param_ptrs
         self._refs: dict[int, int] = {}
         self.live_bytes = 0
-        self._extra: dict[str, int] = {}  # "parked" weight-gradient inputs, "kv" chunk K/V, "p2p" transfer buffers
+        # "parked" weight-gradient inputs, "kv" chunk K/V, "offload" offloaded units' storages on the
+        # device, "p2p" transfer buffers
+        self._extra: dict[str, int] = {}
         self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = {}  # what made up peak_bytes when it was reached
         self.peak_total_bytes = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+
+    @property
+    def param_ptrs(self) -> set[int]:
+        """Storages of the parameters: never activations."""
+        return self._param_ptrs
 
     @property
     def extra_bytes(self) -> int:
-        """Activation bytes held outside autograd's saved tensors (parked for W, K/V kept for later chunks)."""
-        return self._extra.get("parked", 0) + self._extra.get("kv", 0)
+        """Device activation bytes held outside the meter's own count (parked for W, K/V kept for
+        later chunks, offloaded units' storages while on the device)."""
+        return self._extra.get("parked", 0) + self._extra.get("kv", 0) + self._extra.get("offload", 0)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Every saved activation byte, wherever it lives now: autograd's on the device, offloaded ones on either side."""
+        return self.live_bytes + self._extra.get("offload", 0) + self.host_bytes
+
+    def _breakdown(self) -> dict[str, int]:
+        """The device activation bytes by holder: autograd's saved tensors ("saved") and each extra source."""
+        return {"saved": self.live_bytes, **{k: self._extra.get(k, 0) for k in ("parked", "kv", "offload")}}
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes + self.extra_bytes
+        self.peak_breakdown = self._breakdown()
         self.peak_total_bytes = self.live_bytes + sum(self._extra.values())
+        self.peak_host_bytes = self.host_bytes
+
+    def set_host(self, nbytes: int) -> None:
+        """Activation bytes now in host memory (offloaded); their peak is ``peak_host_bytes``."""
+        self.host_bytes = nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, nbytes)
 
     def set_extra(self, nbytes: int, *, source: str = "parked") -> None:
         """Bytes held outside autograd's saved tensors, per ``source`` (each call replaces its figure)."""
@@ -66,8 +97,15 @@ class ActivationMeter:
         return total
 
     def _update_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.extra_bytes)
+        level = self.live_bytes + self.extra_bytes
+        if level > self.peak_bytes:
+            self.peak_breakdown = self._breakdown()
+        self.peak_bytes = max(self.peak_bytes, level)
         self.peak_total_bytes = max(self.peak_total_bytes, self.live_bytes + sum(self._extra.values()))
+
+    def hold(self, tensor: torch.Tensor) -> object:
+        """Count ``tensor``'s storage (once however many hold it) until the returned token is dropped."""
+        return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> object:
         storage = tensor.untyped_storage()
@@ -89,10 +127,11 @@ class ActivationMeter:
             self.live_bytes -= nbytes
 
     @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
+    def unpack(packed: object) -> torch.Tensor:
+        """The tensor behind what ``hold`` (or the recording hooks) returned."""
         return packed.tensor if isinstance(packed, _Held) else packed  # type: ignore[return-value]
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self.unpack):
             yield

@@ -12,6 +12,12 @@ the engine what a unit needs that a whole micro-batch does not:
 * backward: chunk j adds the K/V gradients that later chunks left for it as extra autograd
   roots, then releases what it kept.
 
+Chunk boundaries: ``"equal"`` lengths (the sequence length a multiple of k), or with
+``"compute"`` equal causal cost per chunk (``schedules.seq_partition``, from the model's hidden
+size, heads and FFN width: ``partition_dims``), later chunks shorter. A middle stage, which
+loads nothing, sizes the K/V buffers from chunk 0's length: the longest sequence whose
+partition starts with a chunk that long.
+
 Only ``ds_vshape.hf`` layers know how to run a chunk; ``check_module`` refuses the rest at
 initialize, on every rank, and so the ``ds_vshape.hf`` models that cannot run in chunks
 exactly. Evaluation runs a forward-only schedule without chunks, so nothing here applies.
@@ -30,10 +36,34 @@ from ...hf import seq_chunk as chunk_context
 from ...hf.loss import causal_lm_chunk_loss, shifted_targets
 from ...schedules.seq_partition import chunk_boundaries
 
-__all__ = ["SeqChunks", "check_module"]
+__all__ = ["SeqChunks", "check_module", "partition_dims", "PARTITIONS"]
 
 _HF_LAYERS = (HFEmbedding, HFDecoderBlock, HFFinalNorm, HFLMHead)
 Key = tuple[int, int]  # (stage, micro-batch)
+PARTITIONS = ("equal", "compute")
+
+
+def partition_dims(model: Any) -> dict[str, int]:
+    """The model sizes the compute-wise partition needs (hidden, heads, head_dim, ffn), from the
+    Hugging Face config behind its ``ds_vshape.hf`` layers; ``ValueError`` when they are not there."""
+    config = None
+    for spec in model._layer_specs:
+        plan = (getattr(spec, "module_args", None) or (None,))[0]
+        config = getattr(getattr(plan, "lm", None), "config", None)
+        if config is not None:
+            break
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int):
+        raise ValueError(
+            "pipeline.seq_partition 'compute' needs the model's hidden size and number of attention heads (its config's "
+            f"hidden_size and num_attention_heads; found {hidden!r} and {heads!r}) to cost each chunk; set "
+            "pipeline.seq_partition to 'equal'")
+    dims = {"hidden": hidden, "heads": heads}
+    for key, attr in (("head_dim", "head_dim"), ("ffn", "intermediate_size"), ("ffn", "n_inner")):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and key not in dims:
+            dims[key] = value
+    return dims
 
 
 def check_module(model: Any, k: int, schedule_name: str) -> None:
@@ -65,8 +95,13 @@ def check_module(model: Any, k: int, schedule_name: str) -> None:
 class SeqChunks:
     """Per-step chunk state of one rank; ``k == 1`` makes every method a no-op."""
 
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
+    def __init__(self, rank: int, *, partition: str = "equal", dims: dict[str, int] | None = None) -> None:
+        """``partition``: ``"equal"`` or ``"compute"`` (then ``dims`` from ``partition_dims``)."""
+        if partition not in PARTITIONS or (partition == "compute" and not dims):
+            raise ValueError(f"seq partition must be one of {PARTITIONS} ('compute' with the model's dims), got {partition!r}")
+        self._rank, self.partition, self._dims = rank, partition, dict(dims or {})
+        self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}  # (seq_len, k) -> boundaries
+        self._totals: dict[tuple[int, int], int] = {}  # (chunk 0's length, k) -> sequence length to size K/V for
         self.k = 1
         self._states: dict[Key, ChunkKVState] = {}
         self._ends: dict[Key, int] = {}  # where the stage's last chunk of the micro-batch ended
@@ -83,7 +118,17 @@ class SeqChunks:
         return list(self._states)
 
     # ---- inputs -----------------------------------------------------------------------------
+    @property
+    def unequal(self) -> bool:
+        """Chunks of one micro-batch differ in length: every transfer carries its shapes."""
+        return self.partition == "compute"
+
     def _bounds(self, seq_len: int, what: str) -> tuple[int, ...]:
+        if self.unequal:
+            key = (seq_len, self.k)
+            if key not in self._cuts:
+                self._cuts[key] = chunk_boundaries(seq_len, self.k, mode="compute", **self._dims)
+            return self._cuts[key]
         bounds = chunk_boundaries(seq_len, self.k)
         if seq_len % self.k:
             # One shape header per link and step: every chunk must have the same shape.
@@ -138,8 +183,20 @@ class SeqChunks:
         state = self._states.setdefault(key, ChunkKVState())
         if seq_chunk == 0 and state.num_chunks:
             state = self._states[key] = ChunkKVState()
-        # Chunks are equal (``_bounds``), so chunk 0 knows the whole length: K/V buffers are made once.
-        return chunk_context(state, start=start, end=end, total=(end - start) * self.k if seq_chunk == 0 else None)
+        # Chunk 0 tells the whole length, so K/V buffers are made once.
+        return chunk_context(state, start=start, end=end, total=self._total(end - start) if seq_chunk == 0 else None)
+
+    def _total(self, first: int) -> int:
+        """The sequence length whose chunk 0 is ``first`` tokens long (the longest such, under "compute")."""
+        if not self.unequal:
+            return first * self.k
+        key = (first, self.k)
+        if key not in self._totals:
+            # Compute-wise chunk 0 is the longest, so the sequence is at most k times as long.
+            fits = (n for n in range(first * self.k, max(first, self.k) - 1, -1)
+                    if chunk_boundaries(n, self.k, mode="compute", **self._dims)[1] == first)
+            self._totals[key] = next(fits, first * self.k)
+        return self._totals[key]
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """The K/V buffers (and padding masks) every pending (stage, micro-batch) keeps, for the memory meter."""

@@ -1,0 +1,349 @@
+"""Activation offload in the engine (PipeOffload): saved tensors to host after F, back before B.
+
+For the units ``schedules.offload`` picks, a saved-tensor hook keeps, per storage, what autograd
+saves during the unit's forward (``forward``). When the forward ends (``after_forward``) every
+such storage is copied to a host buffer from a reused pool, on a copy stream on CUDA, and the
+device copy is let go; storages that live on anyway stay on the device, since copying them
+would free nothing: the stage's inputs and outputs (the engine holds them), the keys/values a
+micro-batch's later sequence chunks read, parameters, tensors under ``min_bytes``. The reload
+of a unit starts as the pass before its backward starts (``before_pass``), on a second copy
+stream, so it overlaps that pass; its backward waits for it (a reload the plan did not start
+in time is started there). The values come back bit for bit, so gradients are exact.
+
+Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) is taken
+from the reloaded tensors and stays on the device until W; it is not offloaded again.
+
+On the CPU the copies are real copies into the separate host pool, done at once, so the
+device figures fall as they would on a GPU. Accounting: ``device_bytes`` are offloaded units'
+storages resident on the device (forward not finished, or reloaded), ``host_bytes`` those in
+the host pool; the engine's ``ActivationMeter`` gets both (``set_extra(..., "offload")``,
+``set_host``) and reports device and host peaks apart.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...schedules import Action, Kind, Schedule
+from ...schedules.lowering import OpKind
+from ...schedules.offload import Unit, check_share, offload_plan
+from ..measuring.memory import ActivationMeter
+
+__all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
+
+MIN_BYTES = 4096  # smaller saved tensors are not worth a copy (about 1k fp32 elements, as the reference does)
+_KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
+
+
+def check_offload_config(config: dict[str, Any], *, share: float) -> None:
+    """Refuse what offload cannot run with; raises ``ValueError`` naming the key to change."""
+    check_share(share)
+    if share > 0 and (config.get("activation_checkpointing") or {}).get("cpu_checkpointing"):
+        raise ValueError("pipeline.offload cannot run with activation_checkpointing.cpu_checkpointing: both move the "
+                         "checkpointed activations to host memory, DeepSpeed without overlap; set one of them off")
+
+
+def offload_notes(share: float, *, checkpoint_interval: int, split_backward: bool) -> list[str]:
+    """What offload leaves on the device in this setup, worded for the log."""
+    if share <= 0:
+        return []
+    notes = []
+    if split_backward:
+        notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
+                     "gradients) stays on the device; only the saved activations up to B are offloaded")
+    if checkpoint_interval > 0:
+        notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
+                     "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
+                     "the device, only layers outside checkpointed blocks are offloaded")
+    return notes
+
+
+class HostPool:
+    """Host buffers by size, reused across units and steps; pinned when the device is CUDA.
+
+    A buffer given back while a copy from it may still run carries that copy's event and is
+    reused only once the event completed.
+    """
+
+    def __init__(self, *, pin: bool) -> None:
+        self._pin = pin
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes, [])
+        for i, (buf, event) in enumerate(free):
+            if event is None or event.query():
+                del free[i]
+                return buf
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+
+    def give(self, buf: torch.Tensor, *, event: Any = None) -> None:
+        self._free.setdefault(buf.numel(), []).append((buf, event))
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.allocated_bytes = 0
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One storage of one offloaded unit: on the device, on the host, or back on the device."""
+
+    nbytes: int
+    device: torch.UntypedStorage | None
+    host: torch.Tensor | None = None
+    d2h: Any = None  # CUDA events; None on the CPU
+    h2d: Any = None
+    handles: int = 0
+    kept: bool = False  # lives on anyway: stays on the device, not the offloader's to count
+    token: Any = None  # the meter's hold on a kept storage
+    pending: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (saved tensor, version) until after_forward
+
+
+class _Packed:
+    """What autograd holds for an offloaded saved tensor: its slot and how to view it."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset", "__weakref__")
+
+    def __init__(self, slot: _Slot, t: torch.Tensor) -> None:
+        self.slot, self.dtype, self.size, self.stride, self.offset = slot, t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+class Offloader:
+    """One rank's offload: the plan for the current schedule, the copies, the accounting."""
+
+    def __init__(self, meter: ActivationMeter, *, share: float, device: torch.device, rank: int,
+                 min_bytes: int = MIN_BYTES) -> None:
+        self.share = check_share(share)
+        self._meter, self._device, self._rank, self._min_bytes = meter, device, rank, min_bytes
+        self._cuda = device.type == "cuda"
+        self._pool = HostPool(pin=self._cuda)
+        self._streams: tuple[Any, Any] | None = None  # device-to-host, host-to-device (CUDA, made on first use)
+        self._plan_of: tuple[int, Any] | None = None  # (id of the schedule, its plan and pass order)
+        self._units: frozenset[Unit] = frozenset()
+        self._reload_at: dict[int, tuple[Unit, ...]] = {}
+        self._passes: list[tuple[Kind, Unit]] = []
+        self._next = 0
+        self._open: dict[Unit, dict[int, _Slot]] = {}  # forward running or done, not yet after_forward
+        self._slots: dict[Unit, list[_Slot]] = {}  # offloaded, until their backward began
+        self._measure = False
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.offloaded_units = 0  # units that went to host, over the engine's life (tests read it)
+
+    @property
+    def units(self) -> frozenset[Unit]:
+        return self._units
+
+    def set_share(self, share: float) -> None:
+        """Offload another share from the next step on (``schedule: auto``'s choice)."""
+        self.share = check_share(share)
+        self._plan_of = None
+
+    # ---- step framing -----------------------------------------------------------------------------
+    def start_step(self, schedule: Schedule, ops: Sequence[Any], *, train: bool) -> None:
+        """The plan for this step's schedule (made once per schedule) and its pass order."""
+        self._next = 0
+        if not train or self.share <= 0:
+            self._units, self._reload_at, self._passes = frozenset(), {}, []
+            return
+        if self._cuda and self._streams is None:
+            self._streams = (torch.cuda.Stream(self._device), torch.cuda.Stream(self._device))
+        if self._plan_of is None or self._plan_of[0] != id(schedule):
+            passes = [(_KIND[op.kind], (op.stage, op.micro_batch, op.seq_chunk)) for op in ops if op.kind in _KIND]
+            actions = [Action(kind, *unit) for kind, unit in passes]
+            plan = offload_plan(schedule, self._rank, self.share, passes=actions)
+            self._plan_of = (id(schedule), (plan, passes, schedule))  # the schedule kept: its id stays unique
+        plan, self._passes, _ = self._plan_of[1]
+        self._units, self._reload_at = plan.units, plan.reload_at
+
+    def pending(self) -> list[Unit]:
+        """Units whose offload or reload the step left unfinished."""
+        return list(self._open) + list(self._slots)
+
+    def clear(self) -> None:
+        """After a failed step: forget every unit (their tensors go with autograd's graph)."""
+        self._open.clear()
+        self._slots.clear()
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def forward(self, unit: Unit, keep: Iterable[torch.Tensor], *, measure: bool) -> Any:
+        """The context of ``unit``'s forward: offloading hooks for a planned unit, else the meter's (or none)."""
+        self._measure = measure
+        if unit not in self._units or not torch.is_grad_enabled():
+            return self._meter.recording() if measure else nullcontext()
+        return self._hooks(unit, {_ptr(t) for t in keep if torch.is_tensor(t)})
+
+    @contextmanager
+    def _hooks(self, unit: Unit, keep: set[int]) -> Iterator[None]:
+        slots = self._open.setdefault(unit, {})
+
+        def pack(t: torch.Tensor) -> Any:
+            if not self._offloadable(t) or _ptr(t) in keep:
+                return self._meter.hold(t) if self._measure else t
+            storage = t.untyped_storage()
+            slot = slots.get(storage.data_ptr())
+            if slot is None:
+                slot = slots[storage.data_ptr()] = _Slot(storage.nbytes(), storage)
+                self._count(device=slot.nbytes)
+            slot.pending.append((t, t._version))
+            slot.handles += 1
+            packed = _Packed(slot, t)
+            weakref.finalize(packed, self._drop, slot)
+            return packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return False
+        if t.device != self._device or t.is_quantized or hasattr(t, "ds_id"):
+            return False
+        storage = t.untyped_storage()
+        return storage.nbytes() >= self._min_bytes and storage.data_ptr() not in self._meter.param_ptrs
+
+    def after_forward(self, unit: Unit, keep: Iterable[torch.Tensor]) -> None:
+        """``unit``'s forward ended: copy its saved storages to host, except those in ``keep``."""
+        slots = self._open.pop(unit, None)
+        if slots is None:
+            return
+        kept = {_ptr(t) for t in keep if torch.is_tensor(t)}
+        moved = []
+        for ptr, slot in slots.items():
+            _check_unchanged(slot, unit, self._rank)
+            if ptr in kept:
+                self._keep(slot)
+            elif slot.handles > 0:
+                moved.append(slot)
+        if moved:
+            self._to_host(moved)
+            self._slots[unit] = moved
+            self.offloaded_units += 1
+
+    def _keep(self, slot: _Slot) -> None:
+        slot.kept = True
+        if self._measure and slot.pending:
+            slot.token = self._meter.hold(slot.pending[0][0])  # counted once with the other holders of it
+        slot.pending.clear()
+        self._count(device=-slot.nbytes)
+
+    def _to_host(self, slots: list[_Slot]) -> None:
+        stream = self._streams[0] if self._streams else None
+        if stream is not None:
+            stream.wait_stream(self._current())  # the forward's results, before they are copied
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for slot in slots:
+                slot.host = self._pool.take(slot.nbytes)
+                source = _bytes(slot.device, self._device)
+                slot.host.copy_(source, non_blocking=stream is not None)
+                if stream is not None:
+                    source.record_stream(stream)  # the allocator reuses the block only after the copy
+                    slot.d2h = torch.cuda.Event()
+                    slot.d2h.record(stream)
+                slot.device = None
+                slot.pending.clear()
+                self._count(device=-slot.nbytes, host=slot.nbytes)
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def before_pass(self, kind: Kind, unit: Unit) -> None:
+        """A compute pass starts: start the reloads planned here; a backward's own unit comes back first."""
+        if not self._passes:
+            return
+        if self._next >= len(self._passes) or self._passes[self._next] != (kind, unit):
+            expected = self._passes[self._next] if self._next < len(self._passes) else "none"
+            raise RuntimeError(f"pipeline rank {self._rank}: offload expected pass {expected}, the engine ran {kind}{unit}; "
+                               "the offload plan was made for another schedule")
+        for planned in self._reload_at.get(self._next, ()):
+            self._reload(planned)
+        self._next += 1
+        if kind.is_backward:
+            self._reload(unit)
+            self._slots.pop(unit, None)  # its tensors now live and die with autograd's graph
+
+    def _reload(self, unit: Unit) -> None:
+        for slot in self._slots.get(unit, ()):
+            self._reload_slot(slot)
+
+    def _reload_slot(self, slot: _Slot) -> None:
+        if slot.host is None or slot.device is not None:
+            return
+        stream = self._streams[1] if self._streams else None
+        compute = self._current() if stream is not None else None
+        # Allocated on the copy stream, so that it waits for no compute work: a block the compute
+        # stream freed is not handed to another stream before that stream's work on it is done.
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            target = torch.empty(slot.nbytes, dtype=torch.uint8, device=self._device)
+            if slot.d2h is not None:
+                stream.wait_event(slot.d2h)
+            target.copy_(slot.host, non_blocking=stream is not None)
+            if stream is not None:
+                slot.h2d = torch.cuda.Event()
+                slot.h2d.record(stream)
+                target.record_stream(compute)  # freed after backward: not reused before the backward ran
+        slot.device = target.untyped_storage()
+        self._pool.give(slot.host, event=slot.h2d)
+        slot.host = None
+        self._count(device=slot.nbytes, host=-slot.nbytes)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return self._meter.unpack(packed)
+        slot = packed.slot
+        self._reload_slot(slot)  # planned reloads started earlier; this one is late (outside the plan)
+        if slot.h2d is not None:
+            self._current().wait_event(slot.h2d)
+        out = torch.empty(0, dtype=packed.dtype, device=self._device)
+        return out.set_(slot.device, packed.offset, packed.size, packed.stride)
+
+    def _drop(self, slot: _Slot) -> None:
+        slot.handles -= 1
+        if slot.handles > 0:
+            return
+        slot.pending.clear()
+        if slot.kept:
+            slot.token = None
+        elif slot.host is not None:
+            self._pool.give(slot.host, event=slot.d2h)
+            slot.host = None
+            self._count(host=-slot.nbytes)
+        elif slot.device is not None:
+            slot.device = None
+            self._count(device=-slot.nbytes)
+
+    def _current(self) -> Any:
+        """The stream the passes run on (CUDA only)."""
+        return torch.cuda.current_stream(self._device)
+
+    def _count(self, *, device: int = 0, host: int = 0) -> None:
+        self.device_bytes += device
+        self.host_bytes += host
+        self._meter.set_extra(self.device_bytes, source="offload")
+        self._meter.set_host(self.host_bytes)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _check_unchanged(slot: _Slot, unit: Unit, rank: int) -> None:
+    """A saved tensor written in place after it was saved would go to host with the new values."""
+    for t, version in slot.pending:
+        if t._version != version:
+            raise RuntimeError(
+                f"pipeline rank {rank}: unit {unit} wrote a tensor in place after autograd saved it for backward "
+                f"(shape {tuple(t.shape)}); offload copies at the end of the forward and would keep the new values. "
+                "Make the operation out of place, or set pipeline.offload to 0")

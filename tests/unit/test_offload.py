@@ -1,0 +1,201 @@
+"""Activation offload: which units go (pure plan), and the runtime's copies on one CPU process.
+
+The runtime tests drive ``Offloader`` as the engine does (``start_step``, ``before_pass`` and
+``forward`` / ``after_forward`` around each forward, ``before_pass`` before each backward) on
+a small MLP and compare every gradient bit for bit with a plain run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ds_vshape.runtime.measuring.memory import ActivationMeter
+from ds_vshape.runtime.offload.offloader import HostPool, Offloader, check_offload_config, offload_notes
+from ds_vshape.schedules import Kind, Schedule, generate
+from ds_vshape.schedules.lowering import OpKind, lower
+from ds_vshape.schedules.offload import lifespans, offload_plan, offload_units, reload_points
+
+_KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
+
+
+# ---- the plan (pure) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["v-half", "v-zb", "v-min"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_half_share_on_v_placement_is_the_first_chunk(name: str, p: int) -> None:
+    schedule = generate(name, p, 2 * p)
+    for rank in range(p):
+        first = schedule.stages_of_rank(rank)[0]
+        want = {(first, mb, 0) for mb in range(2 * p)}
+        assert offload_units(schedule, rank, 0.5) == want, (name, p, rank)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-half", "seq1f1b"])
+def test_shares_are_bounded_nested_and_skip_units_without_a_gap(name: str) -> None:
+    schedule = generate(name, 4, 8)
+    for rank in range(4):
+        spans = lifespans(schedule.ranks[rank])
+        previous: frozenset = frozenset()
+        for share in (0.0, 0.25, 0.5, 0.75, 1.0):
+            units = offload_units(schedule, rank, share)
+            assert len(units) <= share * len(spans) + 1e-9
+            assert previous <= units  # equal weights: a larger share takes more of the same order
+            assert all(spans[u] >= 2 for u in units)
+            previous = units
+        assert previous == {u for u, s in spans.items() if s >= 2}
+    assert offload_units(generate("1f1b", 4, 8), 3, 1.0) == frozenset()  # the last stage: B right after F
+
+
+def test_longest_lived_stage_goes_first() -> None:
+    schedule = Schedule.from_text(["0F0 1F0 0F1 1F1 1B0 1B1 0B0 0B1"], name="t", micro_batches=2, stage_to_rank=[0, 0])
+    assert lifespans(schedule.ranks[0]) == {(0, 0, 0): 6, (1, 0, 0): 3, (0, 1, 0): 5, (1, 1, 0): 2}
+    assert offload_units(schedule, 0, 0.25) == {(0, 0, 0)}
+    assert offload_units(schedule, 0, 0.5) == {(0, 0, 0), (0, 1, 0)}
+    assert offload_plan(schedule, 0, 0.5).share == 0.5
+
+
+def test_reload_starts_one_pass_before_the_backward() -> None:
+    schedule = generate("v-half", 2, 4)
+    for rank in range(2):
+        plan = offload_plan(schedule, rank, 1.0)
+        passes = schedule.ranks[rank]
+        reloads = {u: at for at, units in plan.reload_at.items() for u in units}
+        assert set(reloads) == plan.units
+        for unit, at in reloads.items():
+            forward = next(i for i, a in enumerate(passes) if a.kind is Kind.F and a.unit == unit)
+            backward = next(i for i, a in enumerate(passes) if a.kind.is_backward and a.unit == unit)
+            assert forward < at == backward - 1
+
+
+def test_bad_share_and_bad_order_are_refused() -> None:
+    schedule = generate("1f1b", 2, 4)
+    for share in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="pipeline.offload"):
+            offload_units(schedule, 0, share)
+    with pytest.raises(ValueError, match="no backward"):
+        reload_points(schedule.ranks[0][:2], frozenset({(0, 0, 0)}))
+    with pytest.raises(ValueError, match="cpu_checkpointing"):
+        check_offload_config({"activation_checkpointing": {"cpu_checkpointing": True}}, share=0.5)
+    check_offload_config({"activation_checkpointing": {"cpu_checkpointing": True}}, share=0.0)
+
+
+# ---- the runtime on one CPU process ------------------------------------------------------------------
+ORDER = "0F0 0F1 0F2 0BW0 0BW1 0BW2"
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+
+
+def _run(model: nn.Module, share: float, *, steps: int = 1, order: str = ORDER, inplace: bool = False
+         ) -> tuple[list[torch.Tensor], ActivationMeter, Offloader, list[int]]:
+    """Forward three micro-batches, then backward them, as the engine would; returns the grads,
+    the meter, the offloader and the device bytes after each forward."""
+    schedule = Schedule.from_text([order], name="t", micro_batches=3, stage_to_rank=[0])
+    ops = lower(schedule, 0)
+    meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    off = Offloader(meter, share=share, device=torch.device("cpu"), rank=0, min_bytes=0)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 16, generator=g).requires_grad_() for _ in range(3)]
+    after_forward: list[int] = []
+    for _ in range(steps):
+        off.start_step(schedule, ops, train=True)
+        meter.reset_peak()
+        outs: dict[int, torch.Tensor] = {}
+        for op in ops:
+            kind = _KIND.get(op.kind)
+            if kind is None:
+                continue
+            unit, mb = (op.stage, op.micro_batch, op.seq_chunk), op.micro_batch
+            off.before_pass(kind, unit)
+            if kind is Kind.F:
+                with off.forward(unit, [xs[mb]], measure=True):
+                    h = model[0](xs[mb])
+                    if inplace:
+                        h.mul_(2)  # in place after Linear saved nothing of it, but GELU saves h below
+                    out = model[1:](h)
+                    if inplace:
+                        h.add_(1)
+                off.after_forward(unit, [xs[mb], out])
+                outs[mb] = out
+                after_forward.append(meter.live_bytes + meter.extra_bytes)
+            else:
+                outs.pop(mb).pow(2).sum().backward()
+        assert off.pending() == []
+    return [p.grad for p in model.parameters()] + [x.grad for x in xs], meter, off, after_forward
+
+
+def test_a_unit_whose_backward_follows_at_once_stays() -> None:
+    _, _, off, _ = _run(_model(), 1.0, order="0F0 0F1 0BW1 0F2 0BW2 0BW0")
+    assert off.units == {(0, 0, 0)}
+
+
+def test_offloaded_gradients_are_bit_exact_and_device_bytes_fall() -> None:
+    plain, meter0, _, device0 = _run(_model(), 0.0)
+    offl, meter1, off, device1 = _run(_model(), 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offl))
+    assert off.units == {(0, 0, 0), (0, 1, 0), (0, 2, 0)}
+    assert meter1.peak_host_bytes > 0 and meter0.peak_host_bytes == 0
+    # After each forward its activations are on the host (the meter keeps the kept inputs' bytes only),
+    # until micro-batch 0's reload starts with the pass before its backward: the third forward.
+    unit = device0[0] - device1[0]
+    assert device1[1] < device0[1] / 4 and device1[2] == device1[1] + device1[0] + unit, (device0, device1)
+    assert meter1.peak_bytes < meter0.peak_bytes
+    assert off.device_bytes == 0 and off.host_bytes == 0 and meter1.host_bytes == 0  # all back and released
+    # Every byte is somewhere: saved bytes with offload equal those without, at each forward's end.
+    assert meter1.live_bytes == 0 and meter1.extra_bytes == 0
+
+
+def test_pool_buffers_are_reused_across_steps() -> None:
+    _, _, off, _ = _run(_model(), 1.0, steps=3)
+    one_step = _run(_model(), 1.0, steps=1)[2]._pool.allocated_bytes
+    assert off._pool.allocated_bytes == one_step > 0
+
+
+def test_inputs_and_outputs_stay_on_the_device() -> None:
+    _, meter, off, _ = _run(_model(), 1.0)
+    # Two offloaded units of 8x64 activations (GELU's and Tanh's inputs, the Linear inputs), never the
+    # 8x16 input or output: with them the host peak would be larger by 2 x 2 x 512 bytes.
+    per_unit = meter.peak_host_bytes // 2
+    assert per_unit % (8 * 64 * 4) == 0, per_unit
+
+
+def test_write_in_place_after_save_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="wrote a tensor in place after autograd saved it"):
+        _run(_model(), 1.0, inplace=True)
+
+
+def test_pool_waits_for_nothing_on_the_cpu() -> None:
+    pool = HostPool(pin=False)
+    a = pool.take(64)
+    pool.give(a)
+    assert pool.take(64) is a and pool.allocated_bytes == 64
+    assert pool.take(64) is not a and pool.allocated_bytes == 128
+
+
+def test_notes_say_what_stays_on_the_device() -> None:
+    assert offload_notes(0.0, checkpoint_interval=1, split_backward=True) == []
+    notes = offload_notes(0.5, checkpoint_interval=2, split_backward=True)
+    assert "from B to W" in notes[0] and "activation_checkpoint_interval=2" in notes[1]
+    assert offload_notes(0.5, checkpoint_interval=0, split_backward=False) == []
+
+
+def test_outputs_the_engine_holds_stay_on_the_device() -> None:
+    """Tanh saves its output, which is the stage output the engine keeps: copying it would free nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh())
+    schedule = Schedule.from_text(["0F0 0F1 0BW0 0BW1"], name="t", micro_batches=2, stage_to_rank=[0])
+    meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    off = Offloader(meter, share=1.0, device=torch.device("cpu"), rank=0, min_bytes=0)
+    off.start_step(schedule, lower(schedule, 0), train=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    off.before_pass(Kind.F, (0, 0, 0))
+    with off.forward((0, 0, 0), [x], measure=True):
+        out = model(x)
+    off.after_forward((0, 0, 0), [x, out])
+    assert (0, 0, 0) in off.units and off.host_bytes == 0 and off.offloaded_units == 0
+    assert meter.live_bytes == x.nbytes + out.nbytes  # both counted once, by the meter
