@@ -91,8 +91,10 @@ def test_bytes_in_flight_do_not_grow_with_micro_batches(nccl_p4: dict, name: str
     # Held until the end of the step, they would grow 4x from m=8 to m=32. Under the emulation
     # a send may also be released early when its thread reports completion, so the two peaks
     # differ by what the threads' timing released; on plain gloo (test_engine) they are equal.
-    for rank, (a, b) in enumerate(zip(small, large)):
-        assert 0 < b["peak_inflight_bytes"] <= 2 * a["peak_inflight_bytes"], (rank, a["peak_inflight_bytes"], b["peak_inflight_bytes"])
+    # The bound is the busiest rank's m=8 peak: a rank's own may be low when completions came early.
+    bound = 2 * max(a["peak_inflight_bytes"] for a in small)
+    for rank, b in enumerate(large):
+        assert 0 < b["peak_inflight_bytes"] <= bound, (rank, b["peak_inflight_bytes"], [a["peak_inflight_bytes"] for a in small])
 
 
 def test_checkpoint_from_1f1b_loads_under_v_half_under_lazy_rules(nccl_p2: dict) -> None:
