@@ -20,7 +20,7 @@ endif
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload clean-venv
+.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload bench-real clean-venv
 
 venv: $(STAMP)
 
@@ -97,6 +97,11 @@ bench-zero: venv
 
 # Activation offload (pipeline.offload) on the recipe's Llama at p=4: device and host activation bytes per rank
 # against 1F1B (benchmarks/results/offload.md), 4 CPU ranks, about a minute.
+# Real compute at p=2, one rank per core: every schedule against DeepSpeed 1F1B, measured and simulated,
+# with where each rank's time went (benchmarks/results/real.md), about 10 minutes on 2 idle cores.
+bench-real: venv
+	PATH="$(abspath $(BIN)):$$PATH" bash benchmarks/run_real.sh
+
 bench-offload: venv
 	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/offload.jsonl
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29539 benchmarks/bench_offload.py --out benchmarks/results/raw/offload.jsonl --md benchmarks/results/offload.md

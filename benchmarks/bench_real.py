@@ -1,10 +1,15 @@
-"""Real-compute benchmark worker: the recipe's tiny Llama at p=2, every ds_vshape schedule and DeepSpeed 1F1B.
+"""Real-compute benchmark worker: a compute-bound Llama at p=2, every ds_vshape schedule and DeepSpeed 1F1B.
 
-Launched by ``benchmarks/run.sh`` under torchrun with 2 ranks (one per core). The model,
-data and DeepSpeed configs are the recipe's own (``recipes/train_hf.py``,
-``ds_configs/<schedule>.json``: AdamW, 8 micro-batches of 4 x 64 tokens, clipping 1.0).
-Per schedule: warm-up steps, then timed steps framed by barriers. Rank 0 appends one JSON
-line per schedule to ``--out``.
+Launched by ``benchmarks/run_real.sh`` (``make bench-real``) under torchrun with 2 ranks, one
+per core. The model is a Llama sized by the options (default hidden 384, 8 blocks, 6 heads,
+FFN 1056, byte vocabulary, sequences of 128), trained on the recipe's data with
+``ds_configs/<schedule>.json`` (AdamW, 8 micro-batches of 4, clipping 1.0). Per round and
+schedule: a fresh engine, warm-up steps, then timed steps framed by barriers; rounds go
+round-robin over the schedules so that drift of the machine hits all of them alike. Rank 0
+appends one JSON line per schedule and round to ``--out``.
+
+Per step and rank it records each instruction's time (``Probe``) and the process's CPU time,
+so the report can say where the step went: passes, other instructions, waits, idle.
 
 Activation memory: ds_vshape engines report their own meter; for stock DeepSpeed the same
 meter class is wrapped around each forward instruction, and in both the loss function's
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import statistics
 import sys
 import time
@@ -26,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -36,10 +43,11 @@ from deepspeed.pipe import PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
 from benchmarks.bench_emulated import DS_VSHAPE_SCHEDULES  # noqa: E402
+from benchmarks.hops import hop_latency  # noqa: E402
 from benchmarks.probe import Probe, instrument_engine  # noqa: E402
 from benchmarks.emulated import metered_loss  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
-from recipes.train_hf import DEFAULT_DATA, ByteTokenizer, batches, load_tokens, preset_config, seed_layer  # noqa: E402
+from recipes.train_hf import DEFAULT_DATA, ByteTokenizer, batches, load_tokens, seed_layer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,15 +55,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--schedules", nargs="*", default=None, help="default: deepspeed-1f1b and every ds_vshape runtime schedule")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over all schedules; the report keeps each one's best")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--ffn", type=int, default=1056)
     ap.add_argument("--out", type=Path, required=True)
     return ap.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace, *, vocab_size: int) -> LlamaConfig:
+    """A Llama sized by the arguments (untied, as the recipe's presets)."""
+    return LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.blocks,
+                       num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=vocab_size,
+                       max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=False,
+                       bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
 
 def build(schedule: str, args: argparse.Namespace, p: int) -> tuple[Any, Probe, int]:
     config = json.loads((ROOT / "ds_configs" / f"{schedule}.json").read_text())
     tok = ByteTokenizer()
-    layers, loss_fn = pipeline_layers(preset_config("llama", vocab_size=tok.vocab_size, seq_len=args.seq_len), attn_implementation="sdpa")
+    layers, loss_fn = pipeline_layers(model_config(args, vocab_size=tok.vocab_size), attn_implementation="sdpa")
     module = PipelineModule(layers=layers, loss_fn=metered_loss(loss_fn), num_stages=p, partition_method="parameters",
                             seed_layers=True, base_seed=1234, seed_fn=seed_layer)
     params = [q for q in module.parameters() if q.requires_grad]
@@ -78,13 +99,17 @@ def run(schedule: str, args: argparse.Namespace, p: int) -> dict[str, Any]:
     for i in range(args.warmup + args.steps):
         probe.reset()
         dist.barrier()
-        t = time.perf_counter()
+        t, cpu, faults = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = float(engine.train_batch(data).item())
+        cpu, local = time.process_time() - cpu, time.perf_counter() - t  # before the barrier: this rank's own step
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # fresh pages the allocator touched
         dist.barrier()
         dt = time.perf_counter() - t
         peak = engine.peak_activation_bytes if hasattr(engine, "peak_activation_bytes") else probe.meter.peak_bytes  # type: ignore[union-attr]
         if i >= args.warmup:
-            steps.append({"step_s": dt, "loss": loss, "peak_activation_bytes": int(peak), "handler_s": dict(probe.handler_s)})
+            snap = probe.snapshot()
+            del snap["device"]  # the emulated device's; nothing sleeps here
+            steps.append({"step_s": dt, "local_s": local, "cpu_s": cpu, "page_faults": faults, "loss": loss, "peak_activation_bytes": int(peak), **snap})
     return {"build_s": build_s, "tokens_per_step": tokens, "steps": steps}
 
 
@@ -94,29 +119,45 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, p = dist.get_rank(), dist.get_world_size()
     schedules = args.schedules or ["deepspeed-1f1b", *DS_VSHAPE_SCHEDULES]
-    for schedule in schedules:
-        t0 = time.perf_counter()
-        try:
-            mine: dict[str, Any] = run(schedule, args, p)
-        except Exception as err:
-            mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-        gathered: list[Any] = [None] * p
-        dist.all_gather_object(gathered, mine)
-        gc.collect()
-        if rank == 0:
-            system, name = ("deepspeed", "1f1b") if schedule == "deepspeed-1f1b" else ("ds_vshape", schedule)
-            rec = {"kind": "real", "system": system, "schedule": name, "p": p, "wall_s": time.perf_counter() - t0, "ranks": gathered}
-            with args.out.open("a") as fh:
-                fh.write(json.dumps(rec) + "\n")
-            errs = [g["error"] for g in gathered if "error" in g]
-            if errs:
-                status = "ERROR " + errs[0][:200]
-            else:
-                med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
-                status = f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s"
-            print(f"[real p={p}] {system:9s} {name:14s} {status}  ({rec['wall_s']:.1f} s)", flush=True)
+    # One hop of an activation-sized message: what the simulator charges per transfer.
+    latency = hop_latency(rank, 4 * args.seq_len * args.hidden, iters=100)
+    if rank == 0:
+        with args.out.open("a") as fh:
+            fh.write(json.dumps({"kind": "latency", "p": p, **latency}) + "\n")
+    for round_ in range(args.rounds):
+        for schedule in schedules:
+            measure(schedule, round_, args, rank, p)
     dist.barrier()
     dist.destroy_process_group()  # gloo's threads can abort the process at interpreter teardown
+
+
+def measure(schedule: str, round_: int, args: argparse.Namespace, rank: int, p: int) -> None:
+    """One schedule's round: every rank's figures gathered, one JSON line written by rank 0."""
+    t0 = time.perf_counter()
+    try:
+        mine: dict[str, Any] = run(schedule, args, p)
+    except Exception as err:
+        mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+    gathered: list[Any] = [None] * p
+    dist.all_gather_object(gathered, mine)
+    gc.collect()
+    if rank == 0:
+        system, name = ("deepspeed", "1f1b") if schedule == "deepspeed-1f1b" else ("ds_vshape", schedule)
+        rec = {"kind": "real", "system": system, "schedule": name, "p": p, "round": round_, "model": model_of(args),
+               "wall_s": time.perf_counter() - t0, "ranks": gathered}
+        with args.out.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        errs = [g["error"] for g in gathered if "error" in g]
+        if errs:
+            status = "ERROR " + errs[0][:200]
+        else:
+            med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
+            status = f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s"
+        print(f"[real p={p} round {round_}] {system:9s} {name:14s} {status}  ({rec['wall_s']:.1f} s)", flush=True)
+
+
+def model_of(args: argparse.Namespace) -> dict[str, int]:
+    return {k: getattr(args, k) for k in ("hidden", "blocks", "heads", "ffn", "seq_len")}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/report.py            # reads benchmarks/results/raw/*.jsonl
 
 Writes ``benchmarks/results/``: ``emulated.json`` (a list of rows), ``emulated.md``,
-``emulated.png``, ``real.json``, ``real.md``, ``machine.json``; prints the targets table.
+``emulated.png``, ``machine.json`` (real compute: ``report_real.py``); prints the targets table.
 
 Simulator columns, per row:
 
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.report_rows import (  # noqa: E402
-    build_rows, read_jsonl, real_rows, targets,
+    build_rows, read_jsonl, targets,
 )
 
 from benchmarks.report_rows import RAW, RESULTS  # noqa: E402
@@ -230,24 +230,6 @@ def plot(rows: list[dict[str, Any]], path: Path, p: int = 4) -> None:
 
 
 
-def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
-    out = ["# Real compute: the recipe's tiny Llama at p = 2", "",
-           "`recipes/train_hf.py`'s default model (Llama, hidden 64, 8 blocks, bytes as tokens) and `ds_configs/<schedule>.json` "
-           "(AdamW, 8 micro-batches of 4 x 64 tokens, clipping 1.0), 2 ranks on the 2 cores. Median of the timed steps; "
-           "CPU-bound and sensitive to other load on the machine.", "",
-           f"Machine: {machine['cpu']} ({machine['cores']} cores); load average before/after: {machine.get('load', {}).get('real')}.", "",
-           "| system | schedule | step (s) | tokens/s | vs DS 1F1B | peak act. per rank (MiB) | mem vs DS 1F1B |",
-           "|---|---|--:|--:|--:|---|--:|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['system']} | {r['schedule']} | error: {r['error'][:120]} | | | | |")
-            continue
-        peaks = ", ".join(f"{b / 2**20:.2f}" for b in r["peak_activation_bytes"])
-        out.append(f"| {r['system']} | {r['schedule']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} "
-                   f"| {_f(r.get('speedup_vs_deepspeed_1f1b'), '.2f')}x | {peaks} | {_f(r.get('mem_vs_deepspeed_1f1b'), '.2f')} |")
-    return "\n".join(out) + "\n"
-
-
 # ---- machine ---------------------------------------------------------------------------------
 def _commit() -> str:
     """The commit measured: run.sh records it when the run starts; else the current HEAD."""
@@ -311,10 +293,6 @@ def main() -> int:
         ts += [t for t in targets(rows, p) if t["measured"] is not None]
     (RESULTS / "emulated.md").write_text(emulated_markdown(rows, machine, latency, ts, sens))
     plot(rows, RESULTS / "emulated.png")
-    real = real_rows([x for x in read_jsonl(RAW / "real_p2.jsonl") if x["kind"] == "real"])
-    if real:
-        (RESULTS / "real.json").write_text(json.dumps(real, indent=1) + "\n")
-        (RESULTS / "real.md").write_text(real_markdown(real, machine))
     print(targets_markdown(ts))
     return 0
 

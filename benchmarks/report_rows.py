@@ -304,31 +304,3 @@ def targets(rows: list[dict[str, Any]], p: int = 4) -> list[dict[str, Any]]:
         add("simulator vs measured, worst ds_vshape row |gap|", m, abs(worst["sim_gap"]), "<= 0.05", abs(worst["sim_gap"]) <= 0.05,
             f"{within}/{len(ours)} rows within 5%", f"worst: {worst['schedule']}; calibrated pass times: worst |gap| {max(cal):.3f}" if cal else "")
     return out
-
-
-# ---- real compute ----------------------------------------------------------------------------
-def real_rows(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for c in cases:
-        row: dict[str, Any] = {"system": c["system"], "schedule": c["schedule"], "p": c["p"]}
-        errors = [r["error"] for r in c["ranks"] if "error" in r]
-        if errors:
-            row["error"] = errors[0].splitlines()[0][:400]
-            rows.append(row)
-            continue
-        r0 = c["ranks"][0]
-        steps = [s["step_s"] for s in r0["steps"]]
-        row.update({
-            "tokens_per_step": r0["tokens_per_step"], "step_time_s": statistics.median(steps), "step_times_s": steps,
-            "loss_last": r0["steps"][-1]["loss"],
-            "peak_activation_bytes": [max(s["peak_activation_bytes"] for s in r["steps"]) for r in c["ranks"]],
-        })
-        row["tokens_per_s"] = row["tokens_per_step"] / row["step_time_s"]
-        row["peak_activation_max_bytes"] = max(row["peak_activation_bytes"])
-        rows.append(row)
-    base = next((r for r in rows if r["system"] == "deepspeed" and "step_time_s" in r), None)
-    for r in rows:
-        if base and "step_time_s" in r:
-            r["speedup_vs_deepspeed_1f1b"] = base["step_time_s"] / r["step_time_s"]
-            r["mem_vs_deepspeed_1f1b"] = r["peak_activation_max_bytes"] / base["peak_activation_max_bytes"]
-    return rows

@@ -102,7 +102,8 @@ if [[ $SYNC == 1 && $P8 == 1 ]]; then
         --t-pass "$T_PASS" --warmup 1 --steps 3 --rounds 1 --micro-batches 16 --out "$RAW/emulated_p8.jsonl"
 fi
 if [[ $SYNC == 1 && $REAL == 1 ]]; then
-    phase real 2 benchmarks/bench_real.py --warmup 1 --steps 4 --out "$RAW/real_p2.jsonl"
+    rm -f "$RAW/real_p2.jsonl"
+    phase real 2 benchmarks/bench_real.py --warmup 1 --steps 3 --rounds 2 --out "$RAW/real_p2.jsonl"
 fi
 if [[ $ASYNC == 1 ]]; then
     # The host enqueues passes on a device stream and runs ahead (benchmarks/async_device.py).
@@ -121,6 +122,7 @@ fi
 if [[ $SYNC == 1 ]]; then
     echo
     "$PYTHON" benchmarks/report.py
+    if [[ $REAL == 1 ]]; then "$PYTHON" benchmarks/report_real.py >/dev/null; fi
     echo
     echo "results: benchmarks/results/{emulated.json,emulated.md,emulated.png,real.json,real.md,machine.json}"
 fi

@@ -20,7 +20,7 @@ from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Kind, Schedule
 from ..schedules.lowering import programs
-from ..schedules.ops import DATA_PARALLEL
+from ..schedules.ops import DATA_PARALLEL, split_units
 from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
@@ -162,11 +162,13 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._act_in: dict[Unit, Any] = {}
         self._grad_in: dict[Unit, tuple[torch.Tensor, ...]] = {}
         self._saved: dict[int, tuple[Any, Any]] = {}
+        self._split: frozenset[Unit] = frozenset()  # units whose backward this step splits (routed forwards)
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._settle_before_passes()  # the previous step's post-validation
         self._reset_step_state()
         self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
+        self._split = split_units(pipe_schedule.ops)
         self._offload.start_step(pipe_schedule.schedule, pipe_schedule.ops, train=self.module.training)
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
         self._measuring = self.measure_memory or logs
@@ -210,7 +212,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         unit = (stage, micro_batch, seq_chunk)
         raw = self._seq.first_input(self._data, micro_batch, seq_chunk) if stage == 0 else self._act_in.pop(unit)
         inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
-        split = self._store.forward_of(unit) if self.schedule.uses_split_backward else nullcontext()
+        split = self._store.forward_of(unit) if unit in self._split else nullcontext()
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
         self._offload.before_pass(Kind.F, unit)
         with self._offload.forward(unit, _tensors(inputs), measure=self._measuring), split, chunk:
@@ -292,13 +294,10 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._after_grads()
 
     def _exec_fused_backward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
-        # Under a split schedule the forward went through split_ops: a checkpointed block's
-        # re-run must too, or it would save other tensors than the forward did.
-        unit = (stage, micro_batch, seq_chunk)
-        self._offload.before_pass(Kind.BW, unit)
-        fused = self._store.backward_of(unit, defer=False) if self.schedule.uses_split_backward else nullcontext()
-        with fused:
-            self._backward(stage, micro_batch, seq_chunk, buffer_id)
+        # Its forward ran unrouted (only split units are routed), so a checkpointed block's re-run
+        # here runs unrouted too and saves what the forward saved.
+        self._offload.before_pass(Kind.BW, (stage, micro_batch, seq_chunk))
+        self._backward(stage, micro_batch, seq_chunk, buffer_id)
 
     def _backward(self, stage: int, micro_batch: int, seq_chunk: int, buffer_id: int) -> None:
         inputs, outputs = self._saved.pop(buffer_id)

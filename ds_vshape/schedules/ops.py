@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "BACKWARDS", "DATA_PARALLEL", "format_ops"]
+__all__ = ["OpKind", "Op", "SENDS", "POSTS", "WAITS", "COMPUTE", "BACKWARDS", "DATA_PARALLEL", "format_ops", "split_units"]
 
 
 class OpKind(str, Enum):
@@ -86,3 +86,13 @@ class Op:
 
 def format_ops(ops: list[Op]) -> str:
     return "\n".join(f"{pos:4d}  {op}" for pos, op in enumerate(ops))
+
+
+def split_units(ops: list[Op]) -> frozenset[tuple[int, int, int]]:
+    """The (stage, micro_batch, seq_chunk) units whose backward these ops split into B and W.
+
+    Only their forwards need split backward's routing: a unit whose backward runs fused (the
+    first stage's, which sends no input gradient, or a B the lowering merged with its W) is
+    plain autograd from forward to backward, and routing it would only cost time.
+    """
+    return frozenset((op.stage, op.micro_batch, op.seq_chunk) for op in ops if op.kind is OpKind.BACKWARD_INPUT)

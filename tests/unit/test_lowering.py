@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ds_vshape.schedules import BW, B, F, Schedule, W, generate
+from ds_vshape.schedules.ops import split_units
 from ds_vshape.schedules.lowering import (
     Op, OpKind, add_communication, add_data_loading, add_step_tail, assign_buffers, lower, merge_backward,
 )
@@ -106,3 +109,22 @@ def test_forward_only_headers_use_the_wavefront_order() -> None:
     ops = [op for r in range(2) for op in lower(sched, r, train=False)]
     flagged = [(op.kind, op.stage, op.micro_batch) for op in ops if op.header]
     assert flagged and all(mb == 0 for _, _, mb in flagged)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "v-zb", "v-half"])
+def test_split_units_are_the_units_with_a_backward_input(name: str) -> None:
+    # The engine routes a forward through split backward only for these units.
+    sched = generate(name, 2, 4)
+    for rank in range(2):
+        ops = lower(sched, rank)
+        units = split_units(ops)
+        fused = {(op.stage, op.micro_batch, op.seq_chunk) for op in ops if op.kind is OpKind.BACKWARD}
+        weights = {(op.stage, op.micro_batch, op.seq_chunk) for op in ops if op.kind is OpKind.BACKWARD_WEIGHT}
+        assert not units & fused and units == weights
+    # Rank 1 sends every input gradient back: none of its backwards is fused.
+    assert len(split_units(lower(sched, 1))) == sched.chunks_per_rank * 4
+
+
+def test_split_units_empty_without_split_backward() -> None:
+    assert split_units(lower(generate("1f1b", 2, 4), 1)) == frozenset()
+    assert split_units(lower(generate("zb-h1", 2, 4), 1, train=False)) == frozenset()

@@ -35,11 +35,17 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.autograd.graph import Node
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .split_graph import inspect_outputs
 from .split_mode import DeferMode, RoutedCall, routing
-from .split_ops import ParkedWork
+from .split_ops import ParkedWork, accumulate
+
+# The mark a parameter-computed tensor carries (an attribute on the tensor itself: looked up on every
+# operation of a routed forward, where a weak dictionary's lookup cost a tenth of the forward).
+_DERIVED = "_ds_vshape_derived"
+# GEMM weight gradients accumulated per autograd call in W: one call per GEMM cost more than its
+# Python and engine start-up is worth; a few at once hold only a few gradients' memory more.
+_BATCH = 8
 
 __all__ = ["SplitBackwardWarning", "WeightGradStore", "enable_split_backward"]
 
@@ -64,10 +70,10 @@ class WeightGradStore:
         self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
         self._param_ids: set[int] = set()
         self._param_ptrs: set[int] = set()  # parameter storages: never counted as parked
-        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter-computed tensor -> cheap
         self._owner: dict[int, str] = {}  # parameter id -> its module, for warnings
         self._warned: set[str] = set()
         self.parked_bytes = 0
+        self._token = object()  # marks the tensors computed from this store's parameters
 
     # ---- contexts the engine opens --------------------------------------------------------------
     @contextmanager
@@ -121,18 +127,23 @@ class WeightGradStore:
         return key in self._deferring
 
     def is_param_like(self, t: torch.Tensor) -> bool:
-        return t.requires_grad and (id(t) in self._param_ids or t in self._derived)
+        return t.requires_grad and (id(t) in self._param_ids or self._mark(t) is not None)
 
     def is_cheap(self, t: torch.Tensor) -> bool:
         """A parameter-like tensor whose gradient B computes by design (at most one dimension)."""
         if not self.cheap_in_b:
             return False
-        return t.dim() <= 1 if id(t) in self._param_ids else bool(self._derived.get(t, False))
+        return t.dim() <= 1 if id(t) in self._param_ids else bool(self._mark(t))
 
     def mark_param_like(self, out: Any, *, cheap: bool) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                self._derived[t] = cheap
+                setattr(t, _DERIVED, (self._token, cheap))
+
+    def _mark(self, t: torch.Tensor) -> bool | None:
+        """Whether B computes the gradient of ``t``, computed from this store's parameters (None: not such a tensor)."""
+        mark = getattr(t, _DERIVED, None)
+        return mark[1] if mark is not None and mark[0] is self._token else None
 
     def trainable_param(self, node: Node) -> torch.Tensor | None:
         """The deferred-or-cheap parameter behind an accumulate node, else None."""
@@ -165,10 +176,19 @@ class WeightGradStore:
 
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         for work in self._parked.pop(key, []):
-            work.run()
+            gradients = getattr(work, "gradients", None)
+            if gradients is None:
+                _accumulate(batch)  # in order: this work may consume what the batch accumulates
+                work.run()
+            else:
+                batch.extend(gradients())
+                if len(batch) >= _BATCH:
+                    _accumulate(batch)
             for t in work.held:
                 self._hold(t, -1)
+        _accumulate(batch)
 
     def pending(self) -> list[Hashable]:
         return list(self._parked)
@@ -207,6 +227,12 @@ class WeightGradStore:
                           "whole in B, once: exact, but its weight-gradient work is not deferred to W. A backward that "
                           "computes each gradient only where ctx.needs_input_grad asks for it is split.",
                           SplitBackwardWarning, stacklevel=2)
+
+
+def _accumulate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if batch:
+        accumulate([t for t, _ in batch], [g for _, g in batch])
+        batch.clear()
 
 
 def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None) -> int:

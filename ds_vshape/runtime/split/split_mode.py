@@ -23,6 +23,7 @@ The store is a parameter (``RoutingStore``: what the routing asks of it).
 
 from __future__ import annotations
 
+import types
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Protocol
 
@@ -37,7 +38,14 @@ from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
 __all__ = ["DeferMode", "RoutedCall", "RoutingStore", "routing"]
 
 _BACKWARDS = {torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward}
+_GEMMS = frozenset([F.linear, torch.addmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm])
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+# Calls that only read a tensor's metadata: they create no autograd edge, so the routing has nothing
+# to sort in them, and they are a quarter of a transformer block's calls (``x.shape`` and the like).
+_METADATA = frozenset(
+    [v.__get__ for v in vars(torch._C.TensorBase).values() if isinstance(v, types.GetSetDescriptorType)]
+    + [getattr(torch.Tensor, n) for n in ("size", "dim", "stride", "numel", "is_floating_point", "is_complex",
+                                          "is_contiguous", "element_size", "storage_offset", "get_device", "__len__")])
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imatmul__",
                     "__ipow__", "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 
@@ -63,6 +71,8 @@ class DeferMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA:
+            return func(*args, **kwargs)
         store = self.store
         if func in _BACKWARDS:
             # A unit's backward (B, or fused) starts here: custom Functions behind its roots are sorted
@@ -72,6 +82,10 @@ class DeferMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if store.current is None or store.is_suspended or not torch.is_grad_enabled() or not _touches_params(store, args, kwargs):
             return func(*args, **kwargs)
+        if func in _GEMMS:  # the common routed call, sorted before the costlier flattening below
+            fast = _fast_matmul(store, func, args, kwargs)
+            if fast is not None:
+                return fast
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in pos]
@@ -83,9 +97,6 @@ class DeferMode(TorchFunctionMode):
             return out
         if _mutates(func, kwargs) or cheap == is_param:  # in place, or only cheap parameters: B's, by design
             return func(*args, **kwargs)
-        fast = _fast_matmul(store, func, args, kwargs)
-        if fast is not None:
-            return fast
         call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, cheap, store,
                       store.current, autocast=_autocast_state(tensors))
         return deferred_op(call, tensors)
@@ -172,9 +183,10 @@ def _fast_matmul(store: RoutingStore, func: Callable[..., Any], args: tuple[Any,
         return None
     if b is not None and not (isinstance(b, torch.Tensor) and b.dim() == 1):
         return None
-    operands = [t for t in (w, b) if t is not None]
-    if not any(store.is_param_like(t) for t in operands) or any(t.requires_grad and not store.is_param_like(t) for t in operands):
-        return None  # an activation as the weight (attention scores @ V): not a parameter's GEMM
+    if not store.is_param_like(w) or store.is_cheap(w) or (b is not None and b.requires_grad and not store.is_param_like(b)):
+        # An activation as the weight (attention scores @ V) is not a parameter's GEMM; a weight computed
+        # from cheap parameters only gets its gradient in B (the caller runs the call as is).
+        return None
     return split_matmul(MatmulCall(kind, store, store.current, bias_in_b=b is None or store.is_cheap(b)), x, w, b)
 
 

@@ -101,10 +101,15 @@ class _MatmulWork:
     def __post_init__(self) -> None:
         self.held = tuple(t for t in (self.x, self.grad_out) if t is not None)
 
-    def run(self) -> None:
+    def gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, gradient) pairs, for the store to accumulate with other works' in one autograd call."""
         grad_w, grad_b = _weight_grads(self.kind, self.x, self.grad_out, want_w=self.weight is not None,
                                        want_b=self.bias is not None)
-        accumulate([t for t in (self.weight, self.bias) if t is not None], [g for g in (grad_w, grad_b) if g is not None])
+        return [(t, g) for t, g in ((self.weight, grad_w), (self.bias, grad_b)) if t is not None and g is not None]
+
+    def run(self) -> None:
+        pairs = self.gradients()
+        accumulate([t for t, _ in pairs], [g for _, g in pairs])
 
 
 def _weight_grads(kind: str, x: torch.Tensor | None, grad_out: torch.Tensor, *, want_w: bool,
