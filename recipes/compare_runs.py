@@ -33,6 +33,7 @@ class Run:
     sim_bubble_rate: float | None
     val_loss: float | None
     peak_bytes: tuple[int | None, ...]  # per pipeline rank, max over the steps
+    setting: dict[str, Any]  # what was measured on: model, size, device, processes, cores
 
 
 def load_run(path: Path) -> Run:
@@ -50,6 +51,7 @@ def load_run(path: Path) -> Run:
         sim_bubble_rate=summary.get("sim_bubble_rate"),
         val_loss=summary.get("val_loss"),
         peak_bytes=_peaks(rows),
+        setting={k: summary[k] for k in ("model", "size", "device", "world", "cores", "micro_batches") if k in summary},
     )
 
 
@@ -96,17 +98,14 @@ def _max_peak(run: Run) -> float | None:
 
 
 def table(runs: Sequence[Run]) -> str:
-    header = ["", *(f"{r.name} ({r.steps} steps)" for r in runs)]
-    ratio = len(runs) == 2
-    if ratio:
-        header.append(f"{runs[1].name} / {runs[0].name}")
+    """One column per run, then each later run over the first."""
+    header = ["", *(f"{r.name} ({r.steps} steps)" for r in runs), *(f"{r.name} / {runs[0].name}" for r in runs[1:])]
     lines = [header]
     for label, get, fmt in _rows(runs):
         values = [get(r) for r in runs]
         cells = [label, *("n/a" if v is None else fmt(v) for v in values)]
-        if ratio:
-            a, b = values
-            cells.append(f"{b / a:.2f}x" if a and b is not None else "")
+        a = values[0]
+        cells += [f"{b / a:.2f}x" if a and b is not None else "" for b in values[1:]]
         lines.append(cells)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     text = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in lines]
@@ -123,8 +122,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"compare_runs.py: error: {err}", file=sys.stderr)
         return 2
+    print(setting_line(runs))
     print(table(runs))
     return 0
+
+
+def setting_line(runs: Sequence[Run]) -> str:
+    """What the step times measured: one core per rank shows idle time, shared cores hide it."""
+    s = runs[0].setting
+    if not s:
+        return "measured on: unknown (no summary files next to the metrics)"
+    world, cores, device = s.get("world", 0), s.get("cores", 0), s.get("device", "?")
+    line = (f"measured on: {s.get('model')} ({s.get('size', 'tiny')} size), {s.get('micro_batches')} micro-batches per step, "
+            f"{world} ranks on {device}")
+    if device != "cpu":
+        return line
+    line += f" with {cores} cores"
+    if world and cores and world <= cores:
+        return line + ": one core per rank, so a rank's idle time (the bubble) is in the step time"
+    return (line + ": ranks share cores, so a rank's idle time is spent by another and the step time does not show "
+            "the bubble; compare the simulated bubble")
 
 
 if __name__ == "__main__":

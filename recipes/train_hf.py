@@ -78,9 +78,12 @@ __all__ = [
 
 PRESETS = ("llama", "gpt2", "mistral", "qwen2")
 
-# Tiny sizes: well under a second per step on 2 CPU cores, yet a real transformer. 8 blocks so
-# that V / interleaved schedules (2 model stages per rank) still fit 4 ranks.
-HIDDEN, BLOCKS, HEADS, FFN = 64, 8, 4, 176
+# Preset sizes (hidden, blocks, heads, FFN). "tiny": well under a second per step on 2 CPU cores,
+# yet a real transformer; 8 blocks so that V / interleaved schedules (2 model stages per rank)
+# still fit 4 ranks. "compute": large enough that the passes, not the host's per-call work,
+# take a CPU rank's time (make train and make bench-real use it at p=2).
+SIZES = {"tiny": (64, 8, 4, 176), "compute": (384, 8, 6, 1056)}
+HIDDEN, BLOCKS, HEADS, FFN = SIZES["tiny"]
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"a tiny preset ({', '.join(PRESETS)}) built from a config, or a local save_pretrained directory")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="UTF-8 text file to train on")
     parser.add_argument("--steps", type=int, default=60, help="total optimizer steps (a resumed run continues up to this)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                        help="preset model size: tiny (hidden 64) or compute (hidden 384, FFN 1056, 6 heads); 8 blocks either way")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--seed", type=int, default=1234, help="model init and data order (identical on every rank)")
     parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention kernel for preset/directory models")
@@ -105,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- model -----------------------------------------------------------------------------------
-def preset_config(name: str, *, vocab_size: int, seq_len: int) -> PretrainedConfig:
-    """A tiny untied config of the named family (dropout off, so schedules compare exactly)."""
+def preset_config(name: str, *, vocab_size: int, seq_len: int, size: str = "tiny") -> PretrainedConfig:
+    """A small untied config of the named family and size (dropout off, so schedules compare exactly)."""
+    HIDDEN, BLOCKS, HEADS, FFN = SIZES[size]  # noqa: N806 (the module's names, per size)
     positions = max(seq_len, 128)
     common: dict[str, Any] = {"vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
     if name == "gpt2":
@@ -122,7 +128,8 @@ def preset_config(name: str, *, vocab_size: int, seq_len: int) -> PretrainedConf
 
 
 def build_module(args: argparse.Namespace, vocab_size: int, stages: int) -> PipelineModule:
-    source: Any = args.model if Path(args.model).is_dir() else preset_config(args.model, vocab_size=vocab_size, seq_len=args.seq_len)
+    source: Any = args.model if Path(args.model).is_dir() else preset_config(args.model, vocab_size=vocab_size, seq_len=args.seq_len,
+                                                                                  size=getattr(args, "size", "tiny"))
     layers, loss_fn = pipeline_layers(source, attn_implementation=args.attn_implementation)
     # seed_layers: layer i gets seed + i whichever rank builds it, so every schedule
     # (each places layers differently) starts from the same weights.
@@ -157,6 +164,10 @@ class RunSummary:
     ranks: int
     micro_batches: int
     model: str
+    size: str = "tiny"
+    world: int = 0  # processes of the job (pipeline ranks x data-parallel replicas)
+    cores: int = 0  # CPU cores of the machine (0: unknown), to say what the step times measured
+    device: str = "cpu"
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
@@ -290,7 +301,8 @@ def setup(args: argparse.Namespace) -> Job:
     # Predict with the same share of activation held until W that the schedule was planned for.
     kept = parse_pipeline_config(read_config(args)).w_memory
     summary = RunSummary(schedule=name, ranks=stages, micro_batches=engine.micro_batches, model=args.model,
-                         peak_activation_bytes=[None] * world)
+                         size=args.size, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0,
+                         device=engine.device.type, world=world, peak_activation_bytes=[None] * world)
     describe_schedule(summary, schedule, kept_until_w=kept)
     return Job(engine, train_ids, val_ids, summary, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                w_memory=kept)

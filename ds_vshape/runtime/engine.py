@@ -212,7 +212,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         unit = (stage, micro_batch, seq_chunk)
         raw = self._seq.first_input(self._data, micro_batch, seq_chunk) if stage == 0 else self._act_in.pop(unit)
         inputs = _as_leaves(raw, grad=torch.is_grad_enabled() and (stage > 0 or self._reentrant_activation_checkpointing()))
-        split = self._store.forward_of(unit) if unit in self._split else nullcontext()
+        split = self._store.forward_of(unit, scope=stage) if unit in self._split else nullcontext()
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
         self._offload.before_pass(Kind.F, unit)
         with self._offload.forward(unit, _tensors(inputs), measure=self._measuring), split, chunk:

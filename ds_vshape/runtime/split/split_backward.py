@@ -13,6 +13,12 @@ its output gradient, for a custom Function its saved tensors and output gradient
 unit's W (``run``) turns the parked work into ``.grad``. Nothing else of the stage's graph
 outlives B.
 
+Routing costs host time on every call it sees, so it sees as few as it can: the engine routes
+only units whose backward is split (``split_units``), and after a stage's first routed forward
+only the calls inside modules owning deferred parameters are routed, unless that forward
+found such a parameter consumed elsewhere (a tied head, say): then the stage stays routed
+whole (``forward_of``'s scope).
+
 Cheap weight gradients are B's by design (``cheap_in_b``, on by default): parameters with at
 most one dimension (norm scales, biases) get theirs in B, park nothing and never warn.
 
@@ -28,7 +34,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Hashable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import wraps
 from typing import Any, Callable, Iterator
 
@@ -74,13 +80,47 @@ class WeightGradStore:
         self._warned: set[str] = set()
         self.parked_bytes = 0
         self._token = object()  # marks the tensors computed from this store's parameters
+        self._modules_suffice: set[Hashable] = set()  # scopes whose forwards route only their modules
+        self._whole: set[Hashable] = set()  # units whose last forward was routed whole
+        self._module_depth = 0  # modules owning deferred parameters now running their forward
+        self._outside = False  # this forward consumed a deferred parameter outside such modules
 
     # ---- contexts the engine opens --------------------------------------------------------------
     @contextmanager
-    def forward_of(self, key: Hashable) -> Iterator[None]:
-        """Route the parameter-consuming operations run inside through split backward, for ``key``."""
-        with self._unit(key), DeferMode(self):
+    def forward_of(self, key: Hashable, *, scope: Hashable = None) -> Iterator[None]:
+        """Route the parameter-consuming operations run inside through split backward, for ``key``.
+
+        ``scope`` (default: ``key``) names the code the forward runs, a model stage say. Its first
+        forward routes every operation; if every parameter it deferred was consumed inside a module
+        owning one, later forwards of the scope route only those modules' operations (the rest
+        of a transformer block, attention and elementwise work, then runs without the per-call
+        cost). A deferred gradient found in B (``_accumulated_in_b``) routes everything again.
+        """
+        scope = key if scope is None else scope
+        whole = scope not in self._modules_suffice
+        (self._whole.add if whole else self._whole.discard)(key)
+        self._outside = False
+        with self._unit(key), (DeferMode(self) if whole else nullcontext()):
             yield
+        if whole and not self._outside:
+            self._modules_suffice.add(scope)
+
+    def routed_whole(self) -> bool:
+        """The running unit's forward routed every operation (not only its modules')."""
+        return self._current in self._whole
+
+    # ---- what the routing tells the store ---------------------------------------------------------
+    def enter_module(self, delta: int) -> None:
+        """A module owning deferred parameters starts (+1) or ends (-1) its forward."""
+        self._module_depth += delta
+
+    @property
+    def in_module(self) -> bool:
+        return self._module_depth > 0
+
+    def used_outside(self) -> None:
+        """A deferred parameter was consumed outside the modules owning one: route this scope whole."""
+        self._outside = True
 
     @contextmanager
     def backward_of(self, key: Hashable, *, defer: bool) -> Iterator[None]:
@@ -210,6 +250,8 @@ class WeightGradStore:
             param.register_hook(lambda grad: None if grad is None else self._accumulated_in_b(owner))
 
     def _accumulated_in_b(self, owner: str) -> None:  # returns None: the gradient is left as it is
+        if self._deferring and not self.is_suspended:
+            self._modules_suffice.clear()  # a use the routing missed: route whole forwards from now on
         if self._deferring and not self.is_suspended and owner not in self._warned:
             self._warned.add(owner)
             warnings.warn(f"ds_vshape split backward: the weight gradient of {owner} was computed in B, not deferred "
@@ -250,8 +292,8 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
                 continue
             seen.add(id(mod))
             own = list(mod.parameters(recurse=False))
-            if own or mod is top:  # modules owning parameters (and the stage's own) pay for the per-op routing
-                _route_forward(mod, store)
+            if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
+                _route_forward(mod, store, owner=any(p.requires_grad and not (store.cheap_in_b and p.dim() <= 1) for p in own))
             path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
             for param in own:
                 if id(param) not in store._param_ids:
@@ -262,7 +304,7 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
     return count
 
 
-def _route_forward(mod: nn.Module, store: WeightGradStore) -> None:
+def _route_forward(mod: nn.Module, store: WeightGradStore, *, owner: bool) -> None:
     """The module's forward enters the routing itself: also when a checkpoint re-runs it in B.
 
     Hooks rather than a patched ``forward``: a deep copy of the module stays a module of its own.
@@ -272,13 +314,17 @@ def _route_forward(mod: nn.Module, store: WeightGradStore) -> None:
     entered: list[Any] = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        context = routing(store)
+        # An owner routes its own calls; a stage's module routes when its unit's forward was routed
+        # whole (a checkpoint re-running it in B must save what the forward saved).
+        context = routing(store) if owner or store.routed_whole() else nullcontext()
         context.__enter__()
         entered.append(context)
+        store.enter_module(+1 if owner else 0)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if store.current is not None and not store.is_suspended and torch.is_grad_enabled():
             inspect_outputs(store, output)  # a custom Function's output that no routed call consumed
+        store.enter_module(-1 if owner else 0)  # after: a Function applied in this module was applied inside it
         if entered:
             entered.pop().__exit__(None, None, None)
 

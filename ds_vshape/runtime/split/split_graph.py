@@ -65,6 +65,11 @@ class GraphStore(OpStore, Protocol):
 
     def kept_whole(self, name: str, params: list[torch.Tensor]) -> None: ...
 
+    @property
+    def in_module(self) -> bool: ...
+
+    def used_outside(self) -> None: ...
+
 
 @dataclass(eq=False)
 class _Info:
@@ -157,6 +162,8 @@ def _classify(store: GraphStore, fn: BackwardCFunction) -> _Info:
 def _decide(store: GraphStore, fn: BackwardCFunction, positions: list[int], live: list[tuple[Node, int]],
             kinds: list[str], *, constants: bool) -> _Info:
     deferred = [j for j, k in enumerate(kinds) if k == PARAM]
+    if deferred and not store.in_module:
+        store.used_outside()  # a Function taking a deferred parameter outside the modules owning one
     if ACT not in kinds and kinds and not constants:
         if deferred:
             fn.materialize_grads = False  # B must see None where W will bring the gradient

@@ -85,12 +85,16 @@ class DeferMode(TorchFunctionMode):
         if func in _GEMMS:  # the common routed call, sorted before the costlier flattening below
             fast = _fast_matmul(store, func, args, kwargs)
             if fast is not None:
+                if not store.in_module:
+                    store.used_outside()
                 return fast
         flat, spec = tree_flatten((args, kwargs))
         pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in pos]
         is_param = [store.is_param_like(t) for t in tensors]
         cheap = [p and store.is_cheap(t) for t, p in zip(tensors, is_param)]
+        if not store.in_module and cheap != is_param:
+            store.used_outside()  # a deferred parameter consumed outside the modules owning one
         if all(is_param):
             out = func(*args, **kwargs)
             store.mark_param_like(out, cheap=all(cheap))
