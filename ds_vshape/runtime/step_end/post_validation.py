@@ -80,7 +80,8 @@ def check_post_validation_config(config: dict[str, Any], *, enabled: bool) -> No
         warnings.warn(
             "pipeline.post_validation=true with gradient_clipping not set: DeepSpeed then clips at 1.0, so every step's "
             "global-norm check is awaited before the next step (or, once speculating, a step above the threshold is "
-            "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait), or to the value you "
+            "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait, except under ZeRO-1/2), "
+            "or to the value you "
             "mean to silence this", ClippingDefaultWarning, stacklevel=3)
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
