@@ -81,8 +81,7 @@ def check_post_validation_config(config: dict[str, Any], *, enabled: bool) -> No
             "pipeline.post_validation=true with gradient_clipping not set: DeepSpeed then clips at 1.0, so every step's "
             "global-norm check is awaited before the next step (or, once speculating, a step above the threshold is "
             "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait, except under ZeRO-1/2), "
-            "or to the value you "
-            "mean to silence this", ClippingDefaultWarning, stacklevel=3)
+            "or to the value you mean to silence this", ClippingDefaultWarning, stacklevel=3)
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     if enabled and stage == 3:
