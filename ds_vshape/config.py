@@ -74,7 +74,7 @@ class PipelineConfig(BaseModel):
     )
     post_validation: bool = Field(
         False,
-        description="Optimizer post-validation (zero_optimization.stage 0): each rank steps as soon as its own "
+        description="Optimizer post-validation (zero_optimization.stage 0, 1 or 2): each rank steps as soon as its own "
         "gradients are ready, the global gradient norm and inf/nan check (and the loss) arrive by an asynchronous "
         "all-reduce, and a step that should have been clipped or skipped is undone and redone before the next "
         "pass uses the weights; so train_batch ends without waiting for the other ranks and steps overlap. Keeps one "

@@ -62,9 +62,11 @@ def _train(case: dict[str, Any], *, post_validation: bool) -> dict[str, Any]:
     out = {"losses": [float(x) for x in returned], "verdicts": verdicts, "redone": engine.redone_steps,
            "rerun": engine.rerun_steps,
            "skipped": int(engine.skipped_steps), "arrived_before_read": arrived_early,
-           "params": {n: q.detach().float().flatten().tolist() for n, q in engine.module.named_parameters()}}
+           "params": {n: q.detach().float().flatten().tolist() for n, q in engine.module.named_parameters()},
+           "optimizer": type(engine.optimizer).__name__}
     if not case.get("bf16"):
-        out["ref_losses"] = _reference(ref, lambda mod, x, y: loss_fn(mod(x), y), data, m, steps, case["clip"])
+        out["ref_losses"] = _reference(ref, lambda mod, x, y: loss_fn(mod(x), y), data, m, steps, case["clip"],
+                                       momentum=case.get("momentum", 0.0))
         out["param_diff"] = _param_diff(engine, ref, case)
     return out
 

@@ -153,7 +153,7 @@ def _config(case: dict[str, Any], m: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": ROWS,
         "gradient_accumulation_steps": m,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.2}},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.2, **({"momentum": case["momentum"]} if "momentum" in case else {})}},
         "gradient_clipping": case.get("clip", 0.05),
         "zero_optimization": {"stage": case.get("zero", 0)},
         "zero_allow_untested_optimizer": True,  # plain torch SGD keeps the reference exact
@@ -207,9 +207,10 @@ class _TiedReference(nn.Module):
         return _head(self.embed, self.blocks(self.embed(ids)))
 
 
-def _reference(ref: nn.Module, loss_of: Any, data: list, m: int, steps: int, clip: float) -> list[float]:
+def _reference(ref: nn.Module, loss_of: Any, data: list, m: int, steps: int, clip: float, *,
+               momentum: float = 0.0) -> list[float]:
     """Plain training: ``loss_of(model, x, y)`` per micro-batch, averaged, clipped, SGD."""
-    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=momentum)
     losses = []
     for step in range(steps):
         opt.zero_grad()

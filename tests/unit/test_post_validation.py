@@ -12,6 +12,7 @@ from ds_vshape.config import ConfigError, parse_pipeline_config
 from ds_vshape.runtime.step_end.pending import PendingValue
 from ds_vshape.runtime.step_end.post_validation import MARGIN, ClippingDefaultWarning, check_post_validation_config, decide
 from ds_vshape.runtime.step_end.snapshot import StepSnapshot
+from ds_vshape.runtime.step_end.zero_shards import counted_shard_grads, zero_skips_nonfinite
 
 
 @pytest.mark.parametrize(
@@ -48,11 +49,54 @@ def test_a_pending_value_waits_once_on_first_use() -> None:
     assert type(loss + 1) is torch.Tensor
 
 
-def test_post_validation_needs_zero_stage_0() -> None:
-    check_post_validation_config({"zero_optimization": {"stage": 0}}, enabled=True)
-    check_post_validation_config({"zero_optimization": {"stage": 2}}, enabled=False)
-    with pytest.raises(ValueError, match=r"post_validation=true needs zero_optimization.stage 0, not 1"):
-        check_post_validation_config({"zero_optimization": {"stage": 1}}, enabled=True)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_post_validation_runs_with_zero_stages_0_to_2(stage: int) -> None:
+    check_post_validation_config({"gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}, enabled=True)
+    check_post_validation_config({"gradient_clipping": 1.0, "zero_optimization": {
+        "stage": stage, "offload_optimizer": {"device": "none"}}}, enabled=True)
+
+
+def test_post_validation_refuses_zero3_and_optimizer_offload_naming_the_field() -> None:
+    check_post_validation_config({"zero_optimization": {"stage": 3}}, enabled=False)
+    with pytest.raises(ValueError, match=r"not supported with zero_optimization.stage 3: .* set zero_optimization.stage to "
+                       r"0, 1 or 2, or pipeline.post_validation to false"):
+        check_post_validation_config({"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}, enabled=True)
+    offload = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    check_post_validation_config(offload, enabled=False)
+    with pytest.raises(ValueError, match=r"zero_optimization.offload_optimizer.device='cpu'.*set offload_optimizer.device"):
+        check_post_validation_config(offload, enabled=True)
+
+
+def _grad(values: list[float], *, padding: bool = False) -> torch.Tensor:
+    g = torch.tensor(values)
+    if padding:
+        g._zero_padding = True  # as DeepSpeed marks a partition's alignment padding
+    return g
+
+
+def test_shard_gradients_pair_with_their_parameters_across_padding() -> None:
+    # A padding tensor between two parameters' slices must not shift the pairing.
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    params[1].ds_pipe_replicated = True  # a tied copy held by a non-owner stage: its owner counts it
+    grads = [_grad([1.0, 1.0]), _grad([0.0], padding=True), _grad([2.0, 2.0]), _grad([3.0, 3.0]), _grad([0.0, 0.0], padding=True)]
+    counted = counted_shard_grads(grads, params, tp_rank=0)
+    assert [g.tolist() for g in counted] == [[1.0, 1.0], [3.0, 3.0]]
+
+
+def test_shard_gradients_count_tensor_parallel_replicas_once() -> None:
+    shard, replica = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    shard.model_parallel = True
+    grads = [_grad([1.0]), _grad([2.0])]
+    assert [g.item() for g in counted_shard_grads(grads, [shard, replica], tp_rank=0)] == [1.0, 2.0]
+    assert [g.item() for g in counted_shard_grads(grads, [shard, replica], tp_rank=1)] == [1.0]
+
+
+@pytest.mark.parametrize(("dtype", "check", "norm", "skips"), [
+    (torch.float16, True, True, True), (torch.float32, False, True, True),  # fp32: an invalid norm is an overflow
+    (torch.float32, False, False, False), (torch.bfloat16, False, True, False), (torch.bfloat16, True, True, True)])
+def test_which_zero_steps_skip_on_inf_or_nan(dtype: torch.dtype, check: bool, norm: bool, skips: bool) -> None:
+    opt = SimpleNamespace(dtype=dtype, check_grad_overflow=check, compute_grad_norm=norm)
+    assert zero_skips_nonfinite(opt) is skips
 
 
 def test_post_validation_needs_a_schedule() -> None:

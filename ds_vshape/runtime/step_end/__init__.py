@@ -3,7 +3,8 @@ overflow, and optimizer post-validation.
 
 ``step`` is the engine mixin; ``precision`` scales losses and agrees on overflow;
 ``post_validation`` steps on local figures and checks the global ones later, with
-``snapshot`` (exact undo) and ``pending`` (a loss that arrives later); ``tensor_parallel``
+``snapshot`` (exact undo), ``zero_shards`` (the same under ZeRO-1/2, from each rank's shards)
+and ``pending`` (a loss that arrives later); ``tensor_parallel``
 says which parameters count in the global norm and over which group (tensor-parallel jobs). May import torch,
 ``torch.distributed`` and DeepSpeed; nothing else of ds_vshape.
 """

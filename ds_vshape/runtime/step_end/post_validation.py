@@ -29,9 +29,14 @@ by when it has long arrived. A redo then also makes the engine run the speculate
 on the same micro-batches (``OptimizerStepMixin.train_batch``), since its passes used weights
 that changed.
 
-Limits: ZeRO stage 0 only (ZeRO-1/2/3 shard the optimizer state; their steps reduce over the
-data-parallel group inside DeepSpeed's optimizer), and the snapshot costs one copy of the
-weights, gradients and optimizer state per rank.
+ZeRO-1/2 (``zero_shards``): the figures come from each rank's owned gradient partition, summed
+over data parallel before the pipeline's all-reduce; the optimistic step keeps DeepSpeed's
+data-parallel reductions (the replicas of a stage step together anyway) and drops only the
+pipeline-spanning one and the clipping; the snapshot holds the shards.
+
+Limits: not with ZeRO-3 or ZeRO's optimizer offload (``check_post_validation_config``), and the
+snapshot costs one copy of the weights, gradients and optimizer state per rank (under ZeRO-1/2,
+of this rank's shards).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch.distributed as dist
 from .pending import PendingValue
 from .snapshot import StepSnapshot
 from .tensor_parallel import counted_in_norm, norm_group
+from .zero_shards import is_zero_optimizer, shard_norm_sq, zero_skips_nonfinite
 
 __all__ = ["MARGIN", "ClippingDefaultWarning", "PostValidator", "Verdict", "check_post_validation_config", "decide", "reduce_stats"]
 
@@ -67,20 +73,29 @@ class ClippingDefaultWarning(UserWarning):
 
 
 def check_post_validation_config(config: dict[str, Any], *, enabled: bool) -> None:
-    """The front-door rules: post-validation needs ZeRO stage 0; an absent ``gradient_clipping``
-    is DeepSpeed's default of 1.0, which the user is told (every step then awaits or may redo)."""
+    """The front-door rules: post-validation runs with ZeRO stages 0, 1 and 2, without ZeRO's
+    optimizer offload; an absent ``gradient_clipping`` is DeepSpeed's default of 1.0, which the
+    user is told (every step then awaits or may redo)."""
     if enabled and "gradient_clipping" not in config:
         warnings.warn(
             "pipeline.post_validation=true with gradient_clipping not set: DeepSpeed then clips at 1.0, so every step's "
             "global-norm check is awaited before the next step (or, once speculating, a step above the threshold is "
-            "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait), or to the value you "
-            "mean to silence this", ClippingDefaultWarning, stacklevel=3)
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-    if enabled and stage != 0:
+            "redone). Set gradient_clipping to 0 for no clipping (plain fp32 steps then never wait, except under ZeRO-1/2), "
+            "or to the value you mean to silence this", ClippingDefaultWarning, stacklevel=3)
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if enabled and stage == 3:
         raise ValueError(
-            f"pipeline.post_validation=true needs zero_optimization.stage 0, not {stage}: ZeRO's optimizer shards its state "
-            "and reduces over the data-parallel group inside its step, which post-validation cannot undo; set "
-            "zero_optimization.stage to 0 or pipeline.post_validation to false"
+            "pipeline.post_validation=true is not supported with zero_optimization.stage 3: ZeRO-3 partitions the weights "
+            "themselves and its step is not undone from the shards post-validation copies; set zero_optimization.stage to "
+            "0, 1 or 2, or pipeline.post_validation to false"
+        )
+    device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    if enabled and stage in (1, 2) and device != "none":
+        raise ValueError(
+            f"pipeline.post_validation=true is not supported with zero_optimization.offload_optimizer.device={device!r}: the "
+            "offloaded step keeps its gradients and overflow flag in host buffers that post-validation does not copy; set "
+            "offload_optimizer.device to \"none\" (or remove offload_optimizer), or pipeline.post_validation to false"
         )
 
 
@@ -126,8 +141,10 @@ def answered_locally(engine: Any) -> Iterator[None]:
     """
     opt = engine.optimizer
     checker = getattr(opt, "overflow_checker", None)
+    # ZeRO-1/2 (``model_parallel_group``): its norm and overflow flag then cover this stage's
+    # data-parallel replicas only, which step together anyway.
     saved = [(obj, name, getattr(obj, name)) for obj, name in (
-        (opt, "mpu"), (opt, "clip_grad"), (checker, "mpu"), (checker, "deepspeed"),
+        (opt, "mpu"), (opt, "clip_grad"), (opt, "model_parallel_group"), (checker, "mpu"), (checker, "deepspeed"),
     ) if obj is not None and hasattr(obj, name)]
     for obj, name, _ in saved:
         setattr(obj, name, 0.0 if name == "clip_grad" else None)
@@ -151,7 +168,12 @@ def _grads_for_norm(engine: Any) -> list[torch.Tensor]:
 
 
 def _local_stats(engine: Any) -> torch.Tensor:
+    """This rank's figures for the pipeline's all-reduce (under ZeRO-1/2 its data-parallel
+    replicas' shards already summed in)."""
     stats = torch.zeros(3, dtype=torch.float64, device=engine.device)
+    if is_zero_optimizer(engine.optimizer):
+        stats[_NORM_SQ] = shard_norm_sq(engine)[0]
+        return stats
     for g in _grads_for_norm(engine):
         stats[_NORM_SQ] += g.detach().double().pow(2).sum()
     return stats
@@ -284,7 +306,10 @@ class _Pending:
 
 
 def _skips_nonfinite(engine: Any) -> bool:
-    """DeepSpeed's fp16 and bf16 wrappers skip a step with inf/nan gradients; plain fp32 never checks."""
+    """DeepSpeed's fp16 and bf16 wrappers skip a step with inf/nan gradients; plain fp32 never
+    checks, except under ZeRO-1/2, whose step has its own rule (``zero_skips_nonfinite``)."""
+    if is_zero_optimizer(engine.optimizer):
+        return zero_skips_nonfinite(engine.optimizer)
     return bool(engine.fp16_enabled() or engine.bfloat16_enabled())
 
 

@@ -10,7 +10,10 @@ DeepSpeed step changes, and so what is kept:
 * the torch optimizer's per-parameter state (created on a parameter's first step: undoing
   that step removes it) and its parameter groups' options (the lr scheduler writes ``lr``);
 * the scalars of the wrapper (loss scale, overflow, norm) and of the engine (step counters),
-  and the lr scheduler's state.
+  and the lr scheduler's state;
+* under ZeRO-1/2, the shards instead of whole weights (``zero_shards.ZeroShards``): the fp32
+  master partition and its optimizer state as above, the owned low-precision partition and
+  reduced gradient partition, and the loss scaler; restoring all-gathers the weights again.
 
 Tensors are restored in place (``copy_``), so anything holding a reference (fused optimizers,
 the wrappers' flat buffers and their views) sees the old values again.
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .zero_shards import ZeroShards, is_zero_optimizer
 
 __all__ = ["StepSnapshot"]
 
@@ -62,13 +67,17 @@ class StepSnapshot:
     wrapper: dict[str, Any]  # the wrapper's scalars, lists and loss-scale config
     engine: dict[str, Any]
     scheduler: dict[str, Any] | None
+    zero: ZeroShards | None = None  # ZeRO-1/2: the owned shards (module parameters are not copied whole)
 
     @classmethod
     def take(cls, engine: Any) -> StepSnapshot:
         opt = engine.optimizer
         inner = _inner(opt)
         masters = [p for g in inner.param_groups for p in g["params"]]
-        params = {id(p): p for p in [*engine.module.parameters(), *masters]}.values()
+        zero = ZeroShards.take(opt) if is_zero_optimizer(opt) else None
+        # Under ZeRO the module's weights are all-gathered from the shards on restore.
+        module_params = [] if zero is not None else list(engine.module.parameters())
+        params = {id(p): p for p in [*module_params, *masters]}.values()
         state = {p: {k: (_clone(v) if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in inner.state[p].items()}
                  for p in masters if p in inner.state}
         flats = [(t, _clone(t)) for name in _WRAPPER_FLATS for t in (getattr(opt, name, None) or []) if torch.is_tensor(t)]
@@ -85,6 +94,7 @@ class StepSnapshot:
             wrapper=wrapper,
             engine={k: copy.deepcopy(getattr(engine, k)) for k in _ENGINE_FIELDS if hasattr(engine, k)},
             scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+            zero=zero,
         )
 
     def restore(self, engine: Any) -> None:
@@ -109,6 +119,8 @@ class StepSnapshot:
             setattr(engine, k, copy.deepcopy(v))
         if self.scheduler is not None:
             engine.lr_scheduler.load_state_dict(copy.deepcopy(self.scheduler))
+        if self.zero is not None:
+            self.zero.restore(opt)
 
     def _restore_state(self, inner: torch.optim.Optimizer) -> None:
         for p in [p for g in inner.param_groups for p in g["params"]]:
