@@ -39,6 +39,7 @@ from ...schedules import Action, Kind, Schedule
 from ...schedules.lowering import OpKind
 from ...schedules.offload import Unit, check_share, offload_plan
 from ..measuring.memory import ActivationMeter
+from .host_pool import HostPool
 from .w_kept import KeptForW, storage_key
 
 __all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
@@ -62,41 +63,13 @@ def offload_notes(share: float, *, checkpoint_interval: int, split_backward: boo
     notes = []
     if split_backward:
         notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
-                     "gradients) stays on the device; only the saved activations up to B are offloaded")
+                     "gradients) goes to host only for offloaded units whose W runs two or more passes after their B; "
+                     "elsewhere it stays on the device until W")
     if checkpoint_interval > 0:
         notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
                      "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
                      "the device, only layers outside checkpointed blocks are offloaded")
     return notes
-
-
-class HostPool:
-    """Host buffers by size, reused across units and steps; pinned when the device is CUDA.
-
-    A buffer given back while a copy from it may still run carries that copy's event and is
-    reused only once the event completed.
-    """
-
-    def __init__(self, *, pin: bool) -> None:
-        self._pin = pin
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes, [])
-        for i, (buf, event) in enumerate(free):
-            if event is None or event.query():
-                del free[i]
-                return buf
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-
-    def give(self, buf: torch.Tensor, *, event: Any = None) -> None:
-        self._free.setdefault(buf.numel(), []).append((buf, event))
-
-    def clear(self) -> None:
-        self._free.clear()
-        self.allocated_bytes = 0
 
 
 @dataclass(eq=False)
@@ -127,12 +100,13 @@ class Offloader:
     """One rank's offload: the plan for the current schedule, the copies, the accounting."""
 
     def __init__(self, meter: ActivationMeter, *, share: float, device: torch.device, rank: int,
-                 min_bytes: int = MIN_BYTES, parked: Callable[[], int] = lambda: 0) -> None:
+                 min_bytes: int = MIN_BYTES, parked: Callable[[], int] = lambda: 0, offload_w: bool = True) -> None:
         self.share = check_share(share)
         self._meter, self._device, self._rank, self._min_bytes = meter, device, rank, min_bytes
         self._cuda = device.type == "cuda"
         self._pool = HostPool(pin=self._cuda)
         self._parked = parked  # the weight-gradient store's parked bytes, wherever they are
+        self.offload_w = offload_w  # off: what B keeps for W stays on the device (comparisons)
         self._w = KeptForW(self._pool, device=device, min_bytes=min_bytes, param_ptrs=meter.param_ptrs)
         self._w_reload_at: dict[int, tuple[Unit, ...]] = {}
         self._w_units: frozenset[Unit] = frozenset()
@@ -151,6 +125,7 @@ class Offloader:
         self.device_bytes = 0
         self.host_bytes = 0
         self.offloaded_units = 0  # units that went to host, over the engine's life (tests read it)
+        self.w_offloaded_units = 0  # units whose W-kept storages went to host, likewise
 
     @property
     def units(self) -> frozenset[Unit]:
@@ -306,10 +281,11 @@ class Offloader:
         """
         self.count_parked()  # B's end, everything W keeps still on the device
         forward = self._live_of.pop(unit, None)
-        if unit not in self._w_units or forward is None:
+        if unit not in self._w_units or forward is None or not self.offload_w:
             return
         keep = {s._cdata for s in forward} | {storage_key(t) for t in live if torch.is_tensor(t)}
         if self._w.offload(unit, self._w.choose(held, keep), **self._copy_streams(0)):
+            self.w_offloaded_units += 1
             self.count_parked()
 
     def _copy_streams(self, which: int) -> dict[str, Any]:
