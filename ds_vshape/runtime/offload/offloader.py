@@ -266,7 +266,7 @@ class Offloader:
         self._next += 1
         if kind is Kind.W:
             self._w.reload(unit, **self._copy_streams(1))  # late: outside the plan
-            self._w.ready(unit, compute=self._current() if self._cuda else None)
+            self._w.ready(unit, compute=self._current() if self._cuda else None, rank=self._rank)
         elif kind.is_backward:
             self._reload(unit)
             self._slots.pop(unit, None)  # its tensors now live and die with autograd's graph

@@ -134,9 +134,12 @@ class KeptForW:
         self.host_bytes -= nbytes
         return nbytes
 
-    def ready(self, unit: Unit, *, compute: Any) -> None:
+    def ready(self, unit: Unit, *, compute: Any, rank: int) -> None:
         """W of ``unit`` runs next: its storages are back (the compute stream waits for their copies)."""
         for kept in self._units.pop(unit, ()):
+            if kept.host is not None or kept.storage.nbytes() != kept.nbytes:
+                raise RuntimeError(f"pipeline rank {rank}: the W of unit {unit} would run with a tensor it keeps still in "
+                                   "host memory (offload did not bring it back); set pipeline.offload to 0 and report this")
             if kept.h2d is not None:
                 compute.wait_event(kept.h2d)
 
