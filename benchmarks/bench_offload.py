@@ -73,15 +73,64 @@ def run_case(schedule: str, share: float, args: argparse.Namespace, p: int, toke
                                       model_parameters=[q for q in module.parameters() if q.requires_grad])
     micro = engine.train_micro_batch_size_per_gpu()
     data = batches(tokens, batch=micro, seq_len=args.seq_len, seed=args.seed)
+    watch = _watch_peak(engine)
     steps = []
     for _ in range(args.steps):
+        watch["at_peak"] = None
         dist.barrier()
         t0 = time.perf_counter()
         loss = float(engine.train_batch(data).item())
         steps.append({"step_s": time.perf_counter() - t0, "loss": loss, "device": int(engine.peak_activation_bytes or 0),
                       "host": int(engine.peak_host_activation_bytes or 0), "breakdown": dict(engine._meter.peak_breakdown)})
     return {"steps": steps, "stage_id": engine.stage_id, "offloaded_units": engine._offload.offloaded_units,
-            "units": sorted(engine._offload.units)}
+            "units": sorted(engine._offload.units), "at_peak": watch["at_peak"]}
+
+
+def _watch_peak(engine: Any) -> dict[str, Any]:
+    """Where the device peak of a step is reached: the pass running and who holds what (``_at_peak``).
+
+    Wraps the engine's offloader (every pass goes through ``before_pass``) and the meter's peak update.
+    """
+    state: dict[str, Any] = {"pass": None, "in_flight": [], "at_peak": None}
+    offload, meter = engine._offload, engine._meter
+    before_pass, update = offload.before_pass, meter._update_peak
+
+    def on_pass(kind: Any, unit: tuple[int, int, int]) -> None:
+        state["pass"] = f"{kind.value}{unit[0]}.{unit[1]}"
+        if kind.value == "F":
+            state["in_flight"].append(unit)
+        elif kind.value in ("B", "BW") and unit in state["in_flight"]:
+            state["in_flight"].remove(unit)
+        before_pass(kind, unit)
+
+    def on_update() -> None:
+        before = meter.peak_bytes
+        update()
+        if meter.peak_bytes > before:
+            state["at_peak"] = _at_peak(engine, state)
+
+    offload.before_pass, meter._update_peak = on_pass, on_update
+    return state
+
+
+def _at_peak(engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Who holds the device bytes now: units between F and B (offloaded or not), W-kept bytes per unit."""
+    offload, store = engine._offload, engine._store
+    parked: dict[str, int] = {}
+    for key, works in store._parked.items():
+        seen: dict[int, int] = {}
+        for t in (t for w in works for t in w.held):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in store._param_ptrs:
+                seen[storage._cdata] = storage.nbytes()  # 0 while offloaded
+        parked[f"{key[0]}.{key[1]}"] = sum(seen.values())
+    reloaded = [u for u, slots in offload._slots.items() if any(s.device is not None for s in slots)]
+    return {"pass": state["pass"], "saved": engine._meter.live_bytes,
+            "kept_units": [f"{u[0]}.{u[1]}" for u in state["in_flight"] if u not in offload.units],
+            "offloaded_in_flight": [f"{u[0]}.{u[1]}" for u in state["in_flight"] if u in offload.units],
+            "offloaded_on_device": [f"{u[0]}.{u[1]}" for u in list(offload._open) + reloaded],
+            "offload_device": offload.device_bytes, "parked_on_device": parked,
+            "parked_on_host": [f"{u[0]}.{u[1]}" for u in offload._w._units if any(k.host is not None for k in offload._w._units[u])]}
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -123,7 +172,41 @@ def render(records: list[dict[str, Any]], *, steps: int, seq_len: int) -> str:
             "Losses: every step's loss on rank 0. Step times come from CPU ranks sharing 2 cores with other work: the "
             "copies are plain memory copies with no copy engine to hide them, and the noise is larger than the "
             "differences.\n\n")
-    return head + table(records)
+    return head + table(records) + at_peak(records)
+
+
+def at_peak(records: list[dict[str, Any]]) -> str:
+    """Per case with offload under split backward: the busiest rank's peak, unit by unit (stage.micro-batch)."""
+    lines = ["\n## What is on the device at the busiest rank's peak\n",
+             "Last step, the rank with the largest device peak; units are stage.micro-batch. *saved*: autograd's saved "
+             "tensors of the units between F and B that are not offloaded (plus the offloaded units' tensors under "
+             "MIN_BYTES, their stage inputs and outputs); *kept for W*: the device bytes each unit's parked W work "
+             "holds (0 when offloaded); *offloaded units back*: an offloaded unit in its forward, reloaded for its B, "
+             "or the one whose B runs. Why each part stays: a unit outside the share (V at 0.5: the second chunk) "
+             "keeps its saved tensors and what its B keeps for W on the device; an offloaded unit's activations are back "
+             "from the pass before its B (the copy overlaps that pass) and while its B runs; what an offloaded unit's B "
+             "keeps for W is on the host only while its W is two or more passes away, back from the pass before its W "
+             "on; a stage's inputs and outputs stay (the engine holds them).\n"]
+    for r in records:
+        device = [g["steps"][-1]["device"] for g in r["ranks"]]
+        busiest = device.index(max(device))
+        peak = r["ranks"][busiest].get("at_peak")
+        if not peak or r["share"] == 0:
+            continue
+        held = {u: b for u, b in peak["parked_on_device"].items() if b}
+        back = list(peak["offloaded_on_device"])
+        running = peak["pass"] or ""
+        if running[:1] == "B" and running.lstrip("BW") in {f"{u[0]}.{u[1]}" for u in r["ranks"][busiest]["units"]} \
+                and running.lstrip("BW") not in back:
+            back.append(f"{running.lstrip('BW')}, its B running")
+        lines.append(f"- **{r['schedule']} offload {r['share']:g}**, rank {busiest}, peak {round(max(device) / 1024)} KiB "
+                     f"during pass {peak['pass']}: saved {round(peak['saved'] / 1024)} KiB (units between F and B not "
+                     f"offloaded: {', '.join(peak['kept_units']) or 'none'}; offloaded: "
+                     f"{', '.join(peak['offloaded_in_flight']) or 'none'}); kept for W on the device "
+                     f"{round(sum(held.values()) / 1024)} KiB ({', '.join(f'{u}: {round(b / 1024)}' for u, b in held.items()) or 'none'}); "
+                     f"kept for W on the host: {', '.join(peak['parked_on_host']) or 'none'}; offloaded units back "
+                     f"{round(peak['offload_device'] / 1024)} KiB ({', '.join(back) or 'none'}).")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

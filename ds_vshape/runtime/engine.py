@@ -84,7 +84,8 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._zero_reducer = self._stage_grad_reducer()
         self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
-        self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id)
+        self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id,
+                                  parked=lambda: self._store.parked_bytes)
         self._reset_step_state()
 
     def _make_p2p(self, timeout_s: float) -> P2P:
@@ -282,15 +283,18 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
             self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
 
     def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
-        self._offload.before_pass(Kind.B, (stage, micro_batch, seq_chunk))
-        with self._store.deferring((stage, micro_batch, seq_chunk)):
+        unit = (stage, micro_batch, seq_chunk)
+        self._offload.before_pass(Kind.B, unit)
+        with self._store.deferring(unit):
             self._backward(stage, micro_batch, seq_chunk, buffer_id)
-        self._meter.set_extra(self._store.parked_bytes)
+        # What W keeps may go to host; what the previous stage and later chunks still read stays.
+        live = [*self._grad_in.get((stage - 1, micro_batch, seq_chunk), ()), *self._seq.kept_tensors()]
+        self._offload.after_backward_input(unit, self._store.held(unit), live=live)
 
     def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         self._offload.before_pass(Kind.W, (stage, micro_batch, seq_chunk))
         self._store.run((stage, micro_batch, seq_chunk))
-        self._meter.set_extra(self._store.parked_bytes)
+        self._offload.count_parked()
         self._after_grads()
 
     def _exec_fused_backward(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:

@@ -9,20 +9,26 @@ stages are taken longest-lived first, which cuts the peak better than a linear s
 
 ``offload_units`` picks the units of a rank for an offload ``share`` (0..1 of the rank's
 activation), ``reload_points`` says at which pass each unit's reload starts (the pass right
-before its backward: the copy overlaps that pass), ``offload_plan`` bundles both. The
-runtime executes the plan; the simulator counts it (``simulate(..., offload=share)``).
+before its backward: the copy overlaps that pass), ``offload_plan`` bundles both.
+
+Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) is idle
+from B to W. For the offloaded units whose W runs apart from their B, with another pass in
+between, it goes to host after B too and comes back one pass ahead of W
+(``w_reload_points``). The runtime executes the plan; the simulator counts it
+(``simulate(..., offload=share)``).
 Pure: no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .costs import Costs
 from .ir import Action, Kind, Schedule
 
-__all__ = ["Unit", "OffloadPlan", "lifespans", "offload_units", "reload_points", "offload_plan", "check_share"]
+__all__ = ["Unit", "OffloadPlan", "lifespans", "offload_units", "reload_points", "w_reload_points", "offload_plan",
+           "check_share"]
 
 Unit = tuple[int, int, int]  # (stage, micro_batch, seq_chunk)
 _EPS = 1e-9
@@ -30,11 +36,18 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """One rank's offload: the units, the pass index at which each one's reload starts, the share taken."""
+    """One rank's offload: the units, the pass index at which each one's reload starts, the share
+    taken; ``w_reload_at``: the same for what B keeps for W (``w_reload_points``)."""
 
     units: frozenset[Unit]
     reload_at: dict[int, tuple[Unit, ...]]
     share: float
+    w_reload_at: dict[int, tuple[Unit, ...]] = field(default_factory=dict)
+
+    @property
+    def w_units(self) -> frozenset[Unit]:
+        """The units whose W-kept tensors go to host after B."""
+        return frozenset(u for us in self.w_reload_at.values() for u in us)
 
 
 def check_share(share: float) -> float:
@@ -116,6 +129,28 @@ def reload_points(passes: Sequence[Action], units: frozenset[Unit], *, lead: int
     return {pos: tuple(us) for pos, us in sorted(points.items())}
 
 
+def w_reload_points(passes: Sequence[Action], units: frozenset[Unit], *, lead: int = 1) -> dict[int, tuple[Unit, ...]]:
+    """Pass index -> units whose W-kept tensors' reload starts as that pass starts.
+
+    Only units of ``units`` with a W of their own at least two passes after their B (one pass
+    or more in between to hide the copies behind): ``lead`` passes before the W, never before
+    the pass right after the B. Fused backward (BW) keeps nothing for a W; a W right after its
+    B is left on the device.
+    """
+    if lead < 1:
+        raise ValueError(f"lead must be >= 1 pass, got {lead}")
+    b_at: dict[Unit, int] = {}
+    points: dict[int, list[Unit]] = {}
+    for pos, a in enumerate(passes):
+        if a.unit not in units:
+            continue
+        if a.kind is Kind.B:
+            b_at[a.unit] = pos
+        elif a.kind is Kind.W and a.unit in b_at and pos - b_at[a.unit] >= 2:
+            points.setdefault(max(pos - lead, b_at[a.unit] + 1), []).append(a.unit)
+    return {pos: tuple(us) for pos, us in sorted(points.items())}
+
+
 def offload_plan(schedule: Schedule, rank: int, share: float, *, costs: Costs | None = None,
                  passes: Sequence[Action] | None = None) -> OffloadPlan:
     """``offload_units`` and their ``reload_points`` in ``passes`` (default: the schedule's own order)."""
@@ -126,4 +161,4 @@ def offload_plan(schedule: Schedule, rank: int, share: float, *, costs: Costs | 
     every = [a.unit for a in schedule.ranks[rank] if a.kind is Kind.F]
     total = sum(costs.seq_share(u[2], k) for u in every)
     taken = sum(costs.seq_share(u[2], k) for u in units) / total if total else 0.0
-    return OffloadPlan(units, reload_points(order, units), taken)
+    return OffloadPlan(units, reload_points(order, units), taken, w_reload_points(order, units))

@@ -8,13 +8,16 @@ With activation offload (``offload``: a share, planned by ``schedules.offload``)
 has two copy streams: an offloaded unit's activation goes to host after its forward (device
 to host, ``costs.copy`` per M_B), comes back from the start of its planned reload pass (host
 to device) and its backward waits until it is back. Memory counts it on the device during
-its forward and from its reload on, in host memory in between (``peak_host_memory``).
+its forward and from its reload on, in host memory in between (``peak_host_memory``). What
+B keeps of such a unit for its W (``kept_until_w``) goes to host after B and comes back from
+its planned W reload pass on, where the plan says so (``OffloadPlan.w_reload_at``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .costs import Costs
 from .ir import Action, Kind, Schedule
@@ -60,7 +63,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, kept_until_w: fl
     ``kept_until_w``: the share of a unit's activation that B keeps for its W (the inputs of
     the weight GEMMs); 0 frees everything at B, 1 keeps everything until W. None takes
     ``costs.w_memory``, the share the generators planned for. ``offload``: the share of each
-    rank's activation offloaded to host (module doc); what B keeps for W is never offloaded.
+    rank's activation offloaded to host (module doc), with what B keeps of it for W.
     """
     costs = costs or Costs()
     if kept_until_w is None:
@@ -68,7 +71,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, kept_until_w: fl
     if not 0.0 <= kept_until_w <= 1.0:
         raise ValueError(f"kept_until_w must be in [0, 1], got {kept_until_w}")
     plans = [offload_plan(schedule, r, offload, costs=costs) for r in range(schedule.stages)] if offload > 0 else None
-    finish, timeline = _run(schedule, costs, plans)
+    finish, timeline = _run(schedule, costs, plans, kept_until_w=kept_until_w)
     makespan = max((t[-1][1] for t in timeline if t), default=0.0)
     busy = tuple(sum(e - s for s, e, _ in t) for t in timeline)
     v, k = schedule.chunks_per_rank, schedule.seq_chunks
@@ -79,7 +82,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, kept_until_w: fl
                      tuple(h for _, h in levels))
 
 
-def _run(schedule: Schedule, costs: Costs, plans: list[OffloadPlan] | None = None
+def _run(schedule: Schedule, costs: Costs, plans: list[OffloadPlan] | None = None, *, kept_until_w: float = 0.0
          ) -> tuple[dict, list[list[tuple[float, float, Action]]]]:
     S, k, v = schedule.num_model_stages, schedule.seq_chunks, schedule.chunks_per_rank
     finish: dict = {}  # event -> (end time, rank)
@@ -98,11 +101,14 @@ def _run(schedule: Schedule, costs: Costs, plans: list[OffloadPlan] | None = Non
                     break
                 ready = max((finish[d][0] + (costs.comm if finish[d][1] != rank else 0.0) for d in deps), default=0.0)
                 start = max(clock[rank], ready)
+                copy = lambda u: _copy_time(costs, u, k, v)  # noqa: E731
                 if plans is not None:
-                    start = copies[rank].before(plans[rank], heads[rank], a, start, lambda u: _copy_time(costs, u, k, v))
+                    start = copies[rank].before(plans[rank], heads[rank], a, start, copy, kept_until_w=kept_until_w)
                 end = start + costs.duration(a, chunks_per_rank=v, seq_chunks=k)
                 if plans is not None and a.kind is Kind.F and a.unit in plans[rank].units:
-                    copies[rank].offload(a.unit, end, _copy_time(costs, a.unit, k, v))
+                    copies[rank].offload(a.unit, end, copy(a.unit))
+                elif plans is not None and a.kind is Kind.B and a.unit in plans[rank].w_units:
+                    copies[rank].offload((Kind.W, a.unit), end, copy(a.unit) * kept_until_w)
                 clock[rank] = end
                 timeline[rank].append((start, end, a))
                 ev = event_of(a)
@@ -125,19 +131,28 @@ class _Copies:
 
     def __init__(self) -> None:
         self.d2h_free = self.h2d_free = 0.0
-        self.on_host: dict[tuple[int, int, int], float] = {}  # unit -> when its offload completed
-        self.back: dict[tuple[int, int, int], float] = {}  # unit -> when its reload completed
+        # unit (its saved activation) or (Kind.W, unit) (what B kept of it for W) -> when the copy completed
+        self.on_host: dict[Any, float] = {}
+        self.back: dict[Any, float] = {}
 
-    def offload(self, unit: tuple[int, int, int], after: float, duration: float) -> None:
-        self.d2h_free = self.on_host[unit] = max(after, self.d2h_free) + duration
+    def offload(self, key: Any, after: float, duration: float) -> None:
+        self.d2h_free = self.on_host[key] = max(after, self.d2h_free) + duration
 
-    def before(self, plan: OffloadPlan, pos: int, action: Action, start: float, duration: Callable) -> float:
-        """Start the reloads planned at ``pos``; the start of ``action`` once its own unit is back."""
+    def before(self, plan: OffloadPlan, pos: int, action: Action, start: float, duration: Callable, *,
+               kept_until_w: float) -> float:
+        """Start the reloads planned at ``pos``; the start of ``action`` once what it needs is back."""
         for unit in plan.reload_at.get(pos, ()):
-            self.h2d_free = self.back[unit] = max(start, self.h2d_free, self.on_host[unit]) + duration(unit)
-        if action.kind.is_backward and action.unit in plan.units:
+            self._reload(unit, start, duration(unit))
+        for unit in plan.w_reload_at.get(pos, ()):
+            self._reload((Kind.W, unit), start, duration(unit) * kept_until_w)
+        if action.kind is Kind.W and action.unit in plan.w_units:
+            return max(start, self.back[(Kind.W, action.unit)])
+        if action.kind.is_backward and action.kind is not Kind.W and action.unit in plan.units:
             return max(start, self.back[action.unit])
         return start
+
+    def _reload(self, key: Any, start: float, duration: float) -> None:
+        self.h2d_free = self.back[key] = max(start, self.h2d_free, self.on_host[key]) + duration
 
 
 def memory_peaks(actions: Sequence[Action], weight: Callable[[Action], float], *, kept_until_w: float,
@@ -146,11 +161,13 @@ def memory_peaks(actions: Sequence[Action], weight: Callable[[Action], float], *
 
     An offloaded unit counts on the device during its forward and from the start of its reload
     pass on, on the host in between; B frees all but ``kept_until_w`` of a unit, W the rest.
+    What B keeps for W of a unit in ``plan.w_units`` is on the host from B's end to the start
+    of its W reload pass.
     """
     level = host = peak = host_peak = 0.0
     for pos, a in enumerate(actions):
-        for unit in plan.reload_at.get(pos, ()) if plan is not None else ():
-            moved = weight(Action(Kind.F, *unit))
+        for unit, part in _reloads(plan, pos, kept_until_w):
+            moved = weight(Action(Kind.F, *unit)) * part
             level, host = level + moved, host - moved
         peak = max(peak, level)
         share = weight(a)
@@ -162,9 +179,19 @@ def memory_peaks(actions: Sequence[Action], weight: Callable[[Action], float], *
                 host_peak = max(host_peak, host)
         elif a.kind is Kind.B:
             level -= share * (1.0 - kept_until_w)
+            if plan is not None and a.unit in plan.w_units:
+                level, host = level - share * kept_until_w, host + share * kept_until_w
+                host_peak = max(host_peak, host)
         elif a.kind is Kind.W:
             level -= share * kept_until_w
         else:
             level -= share
         peak = max(peak, level)
     return peak, host_peak
+
+
+def _reloads(plan: OffloadPlan | None, pos: int, kept_until_w: float) -> list[tuple[tuple[int, int, int], float]]:
+    """(unit, share of its activation) coming back at pass ``pos``: saved activations, then W-kept ones."""
+    if plan is None:
+        return []
+    return [(u, 1.0) for u in plan.reload_at.get(pos, ())] + [(u, kept_until_w) for u in plan.w_reload_at.get(pos, ())]

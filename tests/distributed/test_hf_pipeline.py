@@ -16,7 +16,20 @@ SCHEDULES = ("1f1b", "v-half")
 
 
 def _cases() -> list[dict[str, Any]]:
-    return [{"name": f"{k}-{s}", "hf": k, "schedule": s, "p": 2, "m": 4} for k in MODELS for s in SCHEDULES]
+    return [{"name": f"{k}-{s}", "hf": k, "schedule": s, "p": 2, "m": 4} for k in MODELS for s in SCHEDULES] + _ckpt_cases()
+
+
+def _ckpt_cases() -> list[dict[str, Any]]:
+    """DeepSpeed's activation checkpointing on a Llama: the first block takes integer token ids, which
+    reentrant checkpointing cannot give a gradient path; the embedding must still get its gradient.
+    Parameters are compared too (``seq``: matched by value), not only losses."""
+    base = {"hf": "llama", "p": 2, "m": 4, "seq": True}
+    return [{"name": "llama-ckpt1-1f1b", **base, "schedule": "1f1b", "ckpt": 1},
+            {"name": "llama-ckpt1-v-half", **base, "schedule": "v-half", "ckpt": 1},
+            # The embedding and a decoder layer in one block: the layer after the embedding is checkpointed.
+            {"name": "llama-ckpt2-zb-h1", **base, "schedule": "zb-h1", "ckpt": 2},
+            {"name": "llama-ckpt1-nonreentrant-v-zb", **base, "schedule": "v-zb", "ckpt": 1,
+             "pipeline": {"use_reentrant": False}}]
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +37,14 @@ def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
     return _by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _cases()])
+@pytest.mark.parametrize("case", [c["name"] for c in _cases() if "ckpt" not in c])
 def test_hf_pipeline_matches_model_loss(hf_results: dict, case: str) -> None:
     _assert_parity(case, hf_results[case])
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _ckpt_cases()])
+def test_checkpointed_embedding_gets_its_gradient(hf_results: dict, case: str) -> None:
+    ranks = hf_results[case]
+    _assert_parity(case, ranks)
+    assert all(res["params_compared"] > 0 for res in ranks), case
+    assert any(res["embedding_checked"] for res in ranks), f"{case}: no rank compared the embedding"

@@ -3,9 +3,11 @@
 
 One 2-rank and one 4-rank launch of the tiny transformers Llama (worker.run_hf_case): every
 case trains two steps with clipping and compares losses and every parameter with the model's
-own ``labels=`` training (fp32, 1e-5). The p=2 launch also runs offload with activation
-checkpointing and ZeRO-2, a no-offload twin of the V-Half case for the memory comparison, and
-the refusal of DeepSpeed's cpu_checkpointing. The sequence-chunk cases come last in each launch
+own ``labels=`` training (fp32, 1e-5). Under split backward (zb-h1, v-zb, v-half) what B keeps
+for W goes to host too, for the offloaded units whose W runs apart from their B: every rank
+with such units must have moved some. The p=2 launch also runs offload with activation
+checkpointing and ZeRO-2, a no-offload twin of the V-Half case and one whose W-kept tensors
+stay on the device, for the memory comparisons, and the refusal of DeepSpeed's cpu_checkpointing. The sequence-chunk cases come last in each launch
 (a failing chunked case times out a receive): 32- to 48-token sequences (37: any length), where the
 causal cost makes the compute-wise chunks unequal, for seq1f1b and v-half, one with offload.
 """
@@ -36,6 +38,7 @@ def _cases_p2() -> list[dict[str, Any]]:
     cases = [_case(f"p2-{s}", s, 2, 0.5 if s.startswith("v-") else 1.0) for s in SCHEDULES]
     return cases + [
         _case("p2-v-half-none", "v-half", 2, 0.0),
+        _case("p2-v-half-wdev", "v-half", 2, 0.5, w_on_device=True),
         # DeepSpeed's checkpoint keeps each block's inputs itself, out of the hooks' sight: offload
         # leaves them and stays exact (worker's plain blocks, 128 rows so tensors pass MIN_BYTES).
         {"name": "p2-zb-h1-ckpt", "schedule": "zb-h1", "p": 2, "m": 4, "ckpt": 1, "layerspec": True, "rows": [128],
@@ -85,6 +88,11 @@ def _check_offloaded(name: str, ranks: list[dict[str, Any]], *, idle: tuple[int,
         assert res["params_compared"] > 0, f"{name} rank {rank}: no parameter compared"
     moved = [res["offloaded_units"] > 0 and res["peak_host_activation_bytes"] > 0 for res in ranks]
     assert moved == [r not in idle for r in range(len(ranks))], f"{name}: units offloaded per rank {moved}"
+    planned = [res["w_planned"] > 0 for res in ranks]
+    # 1F1B runs fused backward; ZB-H1 at p=2 runs each W right after its B: nothing to hide a copy behind.
+    assert any(planned) == ("1f1b" not in name and name != "p2-zb-h1"), f"{name}: W-kept offload planned {planned}"
+    w_moved = [res["w_offloaded_units"] > 0 for res in ranks]
+    assert w_moved == planned, f"{name}: W-kept tensors offloaded per rank {w_moved}, planned {planned}"
 
 
 def _idle(name: str, p: int) -> tuple[int, ...]:
@@ -96,7 +104,8 @@ def _idle(name: str, p: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases_p2() if "refuse" not in c["name"] and "none" not in c["name"]
-                                  and "ckpt" not in c["name"] and "compute" not in c["name"] and "auto" not in c["name"]])
+                                  and "ckpt" not in c["name"] and "compute" not in c["name"] and "auto" not in c["name"]
+                                  and "wdev" not in c["name"]])
 def test_offload_trains_exactly_p2(results_p2: dict, case: str) -> None:
     _check_offloaded(case, results_p2[case], idle=_idle(case, 2))
 
@@ -131,6 +140,20 @@ def test_offload_moves_device_bytes_to_host(results_p2: dict) -> None:
         assert mine["losses"] == theirs["losses"], f"rank {rank}: offload changed the losses"
         assert mine["peak_activation_bytes"] < theirs["peak_activation_bytes"], (rank, mine, theirs)
         assert theirs["peak_host_activation_bytes"] == 0
+
+
+def test_w_kept_tensors_offloaded_cut_device_bytes(results_p2: dict) -> None:
+    """The same V-Half plan with W's tensors kept on the device: the same losses to the bit, more on
+    the device at the busiest rank's peak, less on the host; offloaded, the parked figure falls."""
+    moved, kept = results_p2["p2-v-half"], results_p2["p2-v-half-wdev"]
+    _assert_parity("p2-v-half-wdev", kept)
+    for rank, (mine, theirs) in enumerate(zip(moved, kept)):
+        assert mine["losses"] == theirs["losses"], f"rank {rank}: offloading W's tensors changed the losses"
+        assert theirs["w_offloaded_units"] == 0 < mine["w_offloaded_units"], (rank, mine, theirs)
+        assert mine["peak_activation_bytes"] <= theirs["peak_activation_bytes"], (rank, mine, theirs)
+    busiest = max(theirs["peak_activation_bytes"] for theirs in kept)
+    assert max(mine["peak_activation_bytes"] for mine in moved) < busiest
+    assert sum(m["peak_host_activation_bytes"] for m in moved) > sum(k["peak_host_activation_bytes"] for k in kept)
 
 
 def test_cpu_checkpointing_with_offload_is_refused(results_p2: dict) -> None:

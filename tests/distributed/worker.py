@@ -294,6 +294,7 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     config = _config(case, m)
     config["gradient_clipping"] = 1.0
     engine, *_ = ds_vshape.initialize(model=module, config=config)
+    engine._offload.offload_w = not case.get("w_on_device", False)  # the twin that keeps W's tensors on the device
     twins = _match_by_value(engine, ref) if case.get("seq") else []
     g = torch.Generator().manual_seed(3)
     data = []
@@ -313,7 +314,10 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
     result = {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs.get(worst, 0.0), "worst_param": worst,
               "params_compared": len(twins), "peak_activation_bytes": engine.peak_activation_bytes,
               "peak_host_activation_bytes": engine.peak_host_activation_bytes,
-              "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()]}
+              "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()],
+              "w_offloaded_units": engine._offload.w_offloaded_units, "w_planned": len(engine._offload._w_units),
+              "peak_breakdown": dict(engine._meter.peak_breakdown),
+              "embedding_checked": any(theirs is ref.get_input_embeddings().weight for _, _, theirs in twins)}
     choice = getattr(engine, "auto_choice", None)
     if choice is not None:
         result["auto"] = {"name": choice.name, "offload": choice.offload, "table": choice.summary()}

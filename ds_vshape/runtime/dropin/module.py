@@ -9,13 +9,16 @@ loads what we save.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import torch
 from deepspeed import comm as ds_dist
 from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 from deepspeed.runtime.pipe import module as ds_module
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.module import PipelineModule as _DSPipelineModule
@@ -117,19 +120,30 @@ class PipelineModule(_DSPipelineModule):
 
     # ---- forward --------------------------------------------------------------------------
     def forward_stage(self, stage: int, inputs: Any) -> Any:
-        """Run one model stage, with DeepSpeed's activation checkpointing if configured."""
+        """Run one model stage, with DeepSpeed's activation checkpointing if configured.
+
+        Reentrant checkpointing gives a block's parameters a gradient only through a block input
+        that requires one: a first stage's block fed integer token ids (an embedding) would get
+        none, and neither would the blocks after it. So, with grad on, a checkpointable block's
+        leading layers run outside the checkpoint until what they hand on carries a floating
+        tensor that requires grad (DeepSpeed leaves its GPT models' embedding out likewise);
+        the rest of the block is checkpointed. Non-reentrant checkpointing needs no such care.
+        """
         funcs = self.stage_funcs[stage]
         interval = self.activation_checkpoint_interval
         if interval <= 0:
             return _run(funcs, inputs)
+        reentrant = torch.is_grad_enabled() and inspect.unwrap(self.activation_checkpoint_func) is not non_reentrant_checkpoint
         x = inputs
         for start in range(0, len(funcs), interval):
             block = funcs[start : start + interval]
-            args = x if isinstance(x, tuple) else (x,)
-            if self._is_checkpointable(block):
-                x = self.activation_checkpoint_func(_Runner(block), *args)
-            else:
+            if not self._is_checkpointable(block):
                 x = _run(block, x)
+                continue
+            while reentrant and block and not _requires_grad(x):
+                x, block = block[0](x), block[1:]
+            if block:
+                x = self.activation_checkpoint_func(_Runner(block), *(x if isinstance(x, tuple) else (x,)))
         return x
 
     # ---- checkpoints: DeepSpeed's file names, global layer numbers ------------------------
@@ -158,6 +172,13 @@ class _Runner:
 
     def __call__(self, *inputs: Any) -> Any:
         return _run(self.funcs, inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _requires_grad(x: Any) -> bool:
+    """A floating tensor that requires grad in ``x`` (a tensor, or tuples and lists of them)."""
+    if isinstance(x, torch.Tensor):
+        return x.requires_grad and x.is_floating_point()
+    return isinstance(x, (tuple, list)) and any(_requires_grad(v) for v in x)
 
 
 def _run(funcs: list[Any], x: Any) -> Any:

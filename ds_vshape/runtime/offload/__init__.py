@@ -1,4 +1,5 @@
-"""Activation offload (``offloader``): a rank's saved activations go to host memory between a
-unit's forward and its backward, as ``schedules.offload`` plans. May import the schedule layer
-and ``measuring.memory``.
+"""Activation offload: a rank's saved activations go to host memory between a unit's forward
+and its backward (``offloader``), and what split backward keeps for W between B and W
+(``w_kept``), as ``schedules.offload`` plans; ``host_pool`` reuses the host buffers. May import
+the schedule layer and ``measuring.memory``.
 """

@@ -10,20 +10,24 @@ of a unit starts as the pass before its backward starts (``before_pass``), on a 
 stream, so it overlaps that pass; its backward waits for it (a reload the plan did not start
 in time is started there). The values come back bit for bit, so gradients are exact.
 
-Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) is taken
-from the reloaded tensors and stays on the device until W; it is not offloaded again.
+Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) goes to
+host after B too (``after_backward_input``, ``w_kept``) where the plan says so (offloaded units
+whose W runs at least two passes after their B), and comes back as the pass before that W
+starts; W waits for it. Elsewhere it stays on the device until W.
 
 On the CPU the copies are real copies into the separate host pool, done at once, so the
 device figures fall as they would on a GPU. Accounting: ``device_bytes`` are offloaded units'
 storages resident on the device (forward not finished, or reloaded), ``host_bytes`` those in
-the host pool; the engine's ``ActivationMeter`` gets both (``set_extra(..., "offload")``,
-``set_host``) and reports device and host peaks apart.
+the host pool, W-kept storages included; the engine's ``ActivationMeter`` gets both
+(``set_extra(..., "offload")``, ``set_host``) and the parked figure less what of it is on the
+host (``set_extra(..., "parked")``, from the ``parked`` callable: the store's parked bytes),
+and reports device and host peaks apart.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,8 @@ from ...schedules import Action, Kind, Schedule
 from ...schedules.lowering import OpKind
 from ...schedules.offload import Unit, check_share, offload_plan
 from ..measuring.memory import ActivationMeter
+from .host_pool import HostPool
+from .w_kept import KeptForW, storage_key
 
 __all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
 
@@ -57,41 +63,13 @@ def offload_notes(share: float, *, checkpoint_interval: int, split_backward: boo
     notes = []
     if split_backward:
         notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
-                     "gradients) stays on the device; only the saved activations up to B are offloaded")
+                     "gradients) goes to host only for offloaded units whose W runs two or more passes after their B; "
+                     "elsewhere it stays on the device until W")
     if checkpoint_interval > 0:
         notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
                      "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
                      "the device, only layers outside checkpointed blocks are offloaded")
     return notes
-
-
-class HostPool:
-    """Host buffers by size, reused across units and steps; pinned when the device is CUDA.
-
-    A buffer given back while a copy from it may still run carries that copy's event and is
-    reused only once the event completed.
-    """
-
-    def __init__(self, *, pin: bool) -> None:
-        self._pin = pin
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes, [])
-        for i, (buf, event) in enumerate(free):
-            if event is None or event.query():
-                del free[i]
-                return buf
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-
-    def give(self, buf: torch.Tensor, *, event: Any = None) -> None:
-        self._free.setdefault(buf.numel(), []).append((buf, event))
-
-    def clear(self) -> None:
-        self._free.clear()
-        self.allocated_bytes = 0
 
 
 @dataclass(eq=False)
@@ -122,11 +100,19 @@ class Offloader:
     """One rank's offload: the plan for the current schedule, the copies, the accounting."""
 
     def __init__(self, meter: ActivationMeter, *, share: float, device: torch.device, rank: int,
-                 min_bytes: int = MIN_BYTES) -> None:
+                 min_bytes: int = MIN_BYTES, parked: Callable[[], int] = lambda: 0, offload_w: bool = True) -> None:
         self.share = check_share(share)
         self._meter, self._device, self._rank, self._min_bytes = meter, device, rank, min_bytes
         self._cuda = device.type == "cuda"
         self._pool = HostPool(pin=self._cuda)
+        self._parked = parked  # the weight-gradient store's parked bytes, wherever they are
+        self.offload_w = offload_w  # off: what B keeps for W stays on the device (comparisons)
+        self._w = KeptForW(self._pool, device=device, min_bytes=min_bytes, param_ptrs=meter.param_ptrs)
+        self._w_reload_at: dict[int, tuple[Unit, ...]] = {}
+        self._w_units: frozenset[Unit] = frozenset()
+        # A W-offloaded unit's stage inputs and outputs, from its forward to its B's end: the storages
+        # themselves, so that their identity cannot pass to a new storage meanwhile.
+        self._live_of: dict[Unit, list[torch.UntypedStorage]] = {}
         self._streams: tuple[Any, Any] | None = None  # device-to-host, host-to-device (CUDA, made on first use)
         self._plan_of: tuple[int, Any] | None = None  # (id of the schedule, its plan and pass order)
         self._units: frozenset[Unit] = frozenset()
@@ -139,6 +125,7 @@ class Offloader:
         self.device_bytes = 0
         self.host_bytes = 0
         self.offloaded_units = 0  # units that went to host, over the engine's life (tests read it)
+        self.w_offloaded_units = 0  # units whose W-kept storages went to host, likewise
 
     @property
     def units(self) -> frozenset[Unit]:
@@ -153,8 +140,10 @@ class Offloader:
     def start_step(self, schedule: Schedule, ops: Sequence[Any], *, train: bool) -> None:
         """The plan for this step's schedule (made once per schedule) and its pass order."""
         self._next = 0
+        self._live_of.clear()
         if not train or self.share <= 0:
             self._units, self._reload_at, self._passes = frozenset(), {}, []
+            self._w_units, self._w_reload_at = frozenset(), {}
             return
         if self._cuda and self._streams is None:
             self._streams = (torch.cuda.Stream(self._device), torch.cuda.Stream(self._device))
@@ -165,15 +154,19 @@ class Offloader:
             self._plan_of = (id(schedule), (plan, passes, schedule))  # the schedule kept: its id stays unique
         plan, self._passes, _ = self._plan_of[1]
         self._units, self._reload_at = plan.units, plan.reload_at
+        self._w_units, self._w_reload_at = plan.w_units, plan.w_reload_at
 
     def pending(self) -> list[Unit]:
         """Units whose offload or reload the step left unfinished."""
-        return list(self._open) + list(self._slots)
+        return list(self._open) + list(self._slots) + self._w.pending()
 
     def clear(self) -> None:
-        """After a failed step: forget every unit (their tensors go with autograd's graph)."""
+        """After a failed step: forget every unit (their tensors go with autograd's graph and the store)."""
         self._open.clear()
         self._slots.clear()
+        self._w.clear()
+        self._live_of.clear()
+        self.count_parked()
 
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, unit: Unit, keep: Iterable[torch.Tensor], *, measure: bool) -> Any:
@@ -217,7 +210,10 @@ class Offloader:
         slots = self._open.pop(unit, None)
         if slots is None:
             return
-        kept = {_ptr(t) for t in keep if torch.is_tensor(t)}
+        keep = [t for t in keep if torch.is_tensor(t)]
+        if unit in self._w_units:
+            self._live_of[unit] = [t.untyped_storage() for t in keep]
+        kept = {_ptr(t) for t in keep}
         moved = []
         for ptr, slot in slots.items():
             _check_unchanged(slot, unit, self._rank)
@@ -265,10 +261,38 @@ class Offloader:
                                "the offload plan was made for another schedule")
         for planned in self._reload_at.get(self._next, ()):
             self._reload(planned)
+        for planned in self._w_reload_at.get(self._next, ()):
+            self._w.reload(planned, **self._copy_streams(1))
         self._next += 1
-        if kind.is_backward:
+        if kind is Kind.W:
+            self._w.reload(unit, **self._copy_streams(1))  # late: outside the plan
+            self._w.ready(unit, compute=self._current() if self._cuda else None, rank=self._rank)
+        elif kind.is_backward:
             self._reload(unit)
             self._slots.pop(unit, None)  # its tensors now live and die with autograd's graph
+        if self._w_units:
+            self.count_parked()
+
+    def after_backward_input(self, unit: Unit, held: Iterable[torch.Tensor], *, live: Iterable[torch.Tensor]) -> None:
+        """``unit``'s B ended: what it keeps for W (``held``) goes to host when the plan says so.
+
+        ``live``: tensors that something besides W may still read (the input gradients B sends
+        on, K/V of pending chunks); with the unit's stage inputs and outputs they stay.
+        """
+        self.count_parked()  # B's end, everything W keeps still on the device
+        forward = self._live_of.pop(unit, None)
+        if unit not in self._w_units or forward is None or not self.offload_w:
+            return
+        keep = {s._cdata for s in forward} | {storage_key(t) for t in live if torch.is_tensor(t)}
+        if self._w.offload(unit, self._w.choose(held, keep), **self._copy_streams(0)):
+            self.w_offloaded_units += 1
+            self.count_parked()
+
+    def _copy_streams(self, which: int) -> dict[str, Any]:
+        """The copy stream ``which`` (0: to host, 1: to the device) and the compute stream; None on the CPU."""
+        if self._streams is None:
+            return {"stream": None, "compute": None}
+        return {"stream": self._streams[which], "compute": self._current()}
 
     def _reload(self, unit: Unit) -> None:
         for slot in self._slots.get(unit, ()):
@@ -328,7 +352,12 @@ class Offloader:
         self.device_bytes += device
         self.host_bytes += host
         self._meter.set_extra(self.device_bytes, source="offload")
-        self._meter.set_host(self.host_bytes)
+        self._meter.set_host(self.host_bytes + self._w.host_bytes)
+
+    def count_parked(self) -> None:
+        """The meter's parked figure: the store's parked bytes less those on the host (after B, around W)."""
+        self._meter.set_extra(self._parked() - self._w.host_bytes)
+        self._meter.set_host(self.host_bytes + self._w.host_bytes)
 
 
 def _ptr(t: torch.Tensor) -> int:

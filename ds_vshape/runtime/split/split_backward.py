@@ -201,9 +201,11 @@ class WeightGradStore:
     def _hold(self, t: torch.Tensor, delta: int) -> None:
         """Count each parked storage once, however many operations park it."""
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self._param_ptrs:
+        if storage.data_ptr() in self._param_ptrs:
             return
+        # Keyed by the storage itself, not its address: activation offload moves a parked storage
+        # to host after B and back before W, at another address.
+        ptr = storage._cdata
         before = self._refs.get(ptr, 0)
         after = before + delta
         if before == 0:
@@ -229,6 +231,10 @@ class WeightGradStore:
             for t in work.held:
                 self._hold(t, -1)
         _accumulate(batch)
+
+    def held(self, key: Hashable) -> list[torch.Tensor]:
+        """The tensors ``key``'s parked work keeps until its W (activation offload moves them out and back)."""
+        return [t for work in self._parked.get(key, ()) for t in work.held]
 
     def pending(self) -> list[Hashable]:
         return list(self._parked)
