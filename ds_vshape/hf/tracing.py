@@ -131,7 +131,20 @@ class _Runtime:
             ref: _RopeRef = arg.value
             return self._once(ref, lambda: self.call(self._ropes[ref.path], ref.recipe))
         mask: _MaskRecipe = arg.value
-        return self._once(mask, lambda: self.call(mask.builder, mask.recipe))
+        return self._once(mask, lambda: self._build_mask(mask))
+
+    def _build_mask(self, mask: _MaskRecipe) -> Any:
+        # masking_utils builders read position_ids only to detect packed sequences, and that
+        # check copies a device tensor's truth value to the host: on a GPU the host waits for
+        # every kernel queued before it, in every block. Positions here are never packed (0..s-1,
+        # or start..end inside a chunk, where the cache turns the check off), so the builder
+        # finds no packing: without position_ids it builds the same mask, sync-free.
+        def resolve(arg: _Arg) -> Any:
+            return None if arg.kind is _Kind.POSITIONS else self._resolve(arg)
+
+        args = [resolve(arg) for arg in mask.recipe.positional]
+        kwargs = {arg.name: resolve(arg) for arg in mask.recipe.keyword}
+        return mask.builder(*args, **kwargs)
 
     def _once(self, key: object, compute: Callable[[], Any]) -> Any:
         # Blocks of one layer may share a mask/rotary output; compute it once.

@@ -242,14 +242,23 @@ def _derived_backward(self: BackwardCFunction, info: _Info, grads: tuple[torch.T
             return (None,) * len(self.needs_input_grad)
     full = tuple(g if g is not None else _zeros(self, i) for i, g in enumerate(grads))  # it may expect zeros
     if info.stash is not None:
-        return self._get_user_fn()(info.stash.asking(self.needs_input_grad), *full)
+        return _user_backward(self)(info.stash.asking(self.needs_input_grad), *full)
     return BackwardCFunction.apply(self, *full)
+
+
+def _user_backward(fn: BackwardCFunction) -> Callable[..., Any]:
+    """The Function's own backward (its ``vjp`` where it defines one), as autograd calls it.
+
+    Looked up here: torch 2.12 added ``BackwardCFunction._get_user_fn`` for it, older ones have none.
+    """
+    cls = fn._forward_cls
+    return cls.vjp if cls.vjp is not torch.autograd.Function.vjp else cls.backward
 
 
 def _split_b(self: BackwardCFunction, info: _Info, grads: tuple[torch.Tensor | None, ...]) -> Any:
     store = info.store
     assert store is not None
-    user = self._get_user_fn()
+    user = _user_backward(self)
     needs = self.needs_input_grad
     ctx = _Replay(_attrs(self), self.saved_tensors, tuple(n and i not in info.deferred for i, n in enumerate(needs)))
     params = [p for node, _ in info.edges for p in _params_behind(store, node, 0)]
