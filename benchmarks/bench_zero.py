@@ -13,6 +13,8 @@ what a GPU run would move and hold; no time is reported.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,11 @@ SYSTEMS = [
     ("ds_vshape breadth-first", "breadth-first", 3),
     ("ds_vshape breadth-first", "breadth-first", 2),
     ("ds_vshape breadth-first", "breadth-first", 0),
+    # split backward (W passes) under ZeRO-3
+    ("ds_vshape zb-h1", "zb-h1", 3),
+    ("ds_vshape zb-h2", "zb-h2", 3),
+    ("ds_vshape v-zb", "v-zb", 3),
+    ("ds_vshape v-half", "v-half", 3),
 ]
 
 
@@ -168,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
         print(table, flush=True)
         args.out.write_text(
             "# ZeRO in the pipeline: data-parallel communication and model states (PP2xDP2)\n\n"
-            f"`make bench-zero` ({LAYERS} layers of Linear({DIM}, {DIM}), fp32, Adam; CPU gloo, 4 ranks). Per step, the busiest\n"
-            "rank's collectives on its data-parallel group and the model states it holds after the step.\n\n" + table + "\n"
+            f"`make bench-zero` ({LAYERS} layers of Linear({DIM}, {DIM}), fp32, Adam; CPU gloo, 4 ranks on one "
+            f"{platform.machine()} machine with {os.cpu_count()} CPU cores, no GPU). Per step, the busiest\n"
+            "rank's collectives on its data-parallel group and the model states it holds after the step. Bytes, calls and\n"
+            "memory are what a GPU run would move and hold; no time is reported.\n\n" + table + "\n"
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -293,6 +293,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
 
     def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         self._offload.before_pass(Kind.W, (stage, micro_batch, seq_chunk))
+        self._zero_before_weight_pass(stage, micro_batch)
         self._store.run((stage, micro_batch, seq_chunk))
         self._offload.count_parked()
         self._after_grads()

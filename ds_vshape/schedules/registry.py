@@ -22,9 +22,10 @@ class GeneratorInfo:
     ``fixed_chunks``: model stages per rank the schedule always uses (1 linear, 2 V), or None
     when the user picks v (``chunks``, default 2). ``min_micro_batches(p, v, k)``: the smallest m.
     ``zero_stages``: the ZeRO stages the engine runs this schedule with; ``initialize`` refuses
-    others and ``ds-vshape list`` shows them (the one place this rule lives). ZeRO-3 only where
-    the backward is not split: it releases a layer's gathered parameters after its backward,
-    and a later W would find them gone.
+    others and ``ds-vshape list`` shows them (the one place this rule lives). Every built-in
+    schedule runs with 0-3, split backward included: the lowering keeps each W pass inside its
+    stage's gathered run (ZeRO-3 weights whole) and the stage's gradient reduce after its last W.
+    A generator whose lowered passes could not keep that would list fewer stages here.
     ``seq_chunks``: the schedule accepts k > 1 sequence chunks per micro-batch; this flag is
     the one place that says so (config, CLI and ``generate`` all read it).
     ``default_seq_chunks``: the k used when none is asked for (1 unless the schedule's name
@@ -44,7 +45,7 @@ class GeneratorInfo:
     memory_limit: bool = False
     uses_costs: bool = False
     placement: str = "linear"
-    zero_stages: tuple[int, ...] = (0, 1, 2)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     min_micro_batches: MinMicroBatches = lambda p, v, k: 1
 
     def chunks(self, requested: int | None) -> int:

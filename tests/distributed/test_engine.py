@@ -216,7 +216,7 @@ def _error_cases() -> list[dict[str, Any]]:
         {"name": "err-unknown", "schedule": "v-halff", **base},
         {"name": "err-few-mb", "schedule": "zb-h2", "p": 2, "m": 1},
         {"name": "err-few-layers", "schedule": "v-half", "p": 2, "m": 4, "layers": 3},
-        {"name": "err-zero3", "schedule": "zb-h1", "zero": 3, **base},
+        {"name": "err-zero3", "schedule": "zb-h1", "zero": 3, "pipeline": {"seq_chunks": 2}, **base},  # ZeRO-3 with sequence chunks
         {"name": "err-typo-key", "schedule": "1f1b", "pipeline": {"chunk": 2}, **base},
         # Last: rank 1 builds its engine but never trains, so rank 0's receive must time out.
         {"name": "err-timeout", "schedule": "1f1b", "idle_rank": 1, "pipeline": {"p2p_timeout_s": 3}, **base},
@@ -235,7 +235,7 @@ def errors_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
         ("err-unknown", ["unknown schedule 'v-halff'", "v-half", "1f1b"]),
         ("err-few-mb", ["needs at least", "micro-batches", "gradient_accumulation_steps"]),
         ("err-few-layers", ["3 layers", "4 stages"]),
-        ("err-zero3", ["zero_optimization.stage=3", "supported"]),
+        ("err-zero3", ["zero_optimization.stage=3", "supported", "pipeline.seq_chunks=2", "seq_chunks=1"]),
         ("err-typo-key", ["pipeline.chunk", "chunks"]),
     ],
 )

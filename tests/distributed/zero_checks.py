@@ -1,4 +1,4 @@
-"""Worker side of tests/distributed/test_zero.py: ZeRO-2 on PPxDP against a non-pipelined reference.
+"""Worker side of tests/distributed/test_zero.py: ZeRO-2/3 on PPxDP against a non-pipelined reference.
 
 Each data-parallel replica trains on its own micro-batches, so a reduce that is skipped, done
 twice, or summed instead of averaged changes the parameters. The reference trains one model on
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ds_vshape
-from ds_vshape.schedules.ops import DATA_PARALLEL
+from ds_vshape.schedules.ops import DATA_PARALLEL, OpKind
 from tests.distributed.checkpoint_checks import _refusal
 from tests.distributed.worker import _build, _config, _data, _device, _param_diff
 
@@ -109,6 +109,7 @@ def run_zero_case(case: dict[str, Any]) -> dict[str, Any]:
         "reduce_calls": calls,
         "local_stages": len(engine.module.local_stages),
         "dp_ops": sorted({op.kind.value for op in engine._train_ir.ops if op.kind in DATA_PARALLEL}),
+        "gather_ops": sum(op.kind is OpKind.GATHER_PARAMS for op in engine._train_ir.ops),
         "optimizer": type(engine.optimizer).__name__,
     }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ds_vshape.runtime.zero.zero import check_zero_config
-from ds_vshape.schedules import generate
+from ds_vshape.schedules import generate, get_info
 from ds_vshape.schedules.lowering import add_param_gathers, add_stage_reduces, lower
 from ds_vshape.schedules.ops import BACKWARDS, COMPUTE, Op, OpKind
 
@@ -13,11 +13,15 @@ def _kinds(ops: list[Op], *kinds: OpKind) -> list[str]:
     return [f"{op.kind.value}:{op.stage}" for op in ops if op.kind in kinds]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", "zb-h1", "v-half", "v-zb"])
-@pytest.mark.parametrize("m", [4, 8])
-def test_each_local_stage_is_reduced_once_right_after_its_last_backward(name: str, m: int) -> None:
-    schedule = generate(name, 2, m)
-    for rank in range(2):
+SPLIT = ["zb-h1", "zb-h2", "zb-auto", "v-zb", "v-half", "v-min", "v-adaptive"]  # split backward: W passes of their own
+
+
+@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", *SPLIT])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (4, 8)])
+def test_each_local_stage_is_reduced_once_right_after_its_last_backward(name: str, p: int, m: int) -> None:
+    """Under split backward that is after the stage's last W: its weight gradients are final only there."""
+    schedule = generate(name, p, m)
+    for rank in range(p):
         ops = lower(schedule, rank)
         reduces = [i for i, op in enumerate(ops) if op.kind is OpKind.REDUCE_STAGE_GRADS]
         stages = sorted(s for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == rank)
@@ -43,10 +47,12 @@ def test_breadth_first_gathers_each_stage_once_per_direction_whatever_m(m: int) 
         "gather_params:0", "release_params:0", "gather_params:2", "release_params:2", "gather_params:0", "release_params:0"]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", "v-half", "zb-h2"])
-def test_gathers_and_releases_pair_up_around_every_pass(name: str) -> None:
-    schedule = generate(name, 2, 4)
-    for rank in range(2):
+@pytest.mark.parametrize("name", ["1f1b", "breadth-first", "interleaved", *SPLIT])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_gathers_and_releases_pair_up_around_every_pass(name: str, p: int, m: int) -> None:
+    """Every pass, W included, runs while its stage's weights are gathered (ZeRO-3)."""
+    schedule = generate(name, p, m)
+    for rank in range(p):
         held: set[int] = set()
         for op in lower(schedule, rank):
             if op.kind is OpKind.GATHER_PARAMS:
@@ -67,7 +73,7 @@ def test_param_gather_pass_alone_turns_without_release() -> None:
 
 
 @pytest.mark.parametrize(("config", "kw", "needles"), [
-    ({"zero_optimization": {"stage": 3}}, {"schedule": "zb-h1", "allowed": (0, 1, 2)}, ["stage=3", "'zb-h1'", "split", "0, 1, 2"]),
+    ({"zero_optimization": {"stage": 3}}, {"schedule": "zb-h1", "allowed": (0, 1, 2)}, ["stage=3", "'zb-h1'", "0, 1, 2", "ds-vshape list"]),
     ({"zero_optimization": {"stage": 3}}, {"tied": True}, ["TiedLayerSpec", "stage=2"]),
     ({"zero_optimization": {"stage": 3}}, {"seq_chunks": 2}, ["seq_chunks=2", "stage=2"]),
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, {},
@@ -85,6 +91,16 @@ def test_zero_config_accepts_what_runs() -> None:
     check_zero_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
                       schedule="v-half", allowed=(0, 1, 2), tied=True, seq_chunks=4)
     check_zero_config({"zero_optimization": {"stage": 3}}, schedule="breadth-first", allowed=(0, 1, 2, 3), tied=False, seq_chunks=1)
+    for name in SPLIT:  # the registry's rule, as initialize applies it
+        check_zero_config({"zero_optimization": {"stage": 3}}, schedule=name, allowed=get_info(name).zero_stages, tied=False,
+                          seq_chunks=1)
+
+
+def test_split_schedules_lower_to_separate_w_passes() -> None:
+    """The checks above mean something for split schedules only if W passes survive lowering."""
+    for name in SPLIT:
+        schedule = generate(name, 4, 8)
+        assert any(op.kind is OpKind.BACKWARD_WEIGHT for rank in range(4) for op in lower(schedule, rank)), name
 
 
 def test_trace_marks_reduce_and_gather_points_at_their_passes() -> None:

@@ -5,12 +5,17 @@ accumulates into it, that is once per micro-batch; DeepSpeed's pipeline engine r
 for that reason. Here those hooks are removed: gradients accumulate locally over the step, as
 under ZeRO-1, and each stage's gradients go into the optimizer's reduce-scatter buckets when the
 lowered stream reaches ``reduce_stage_grads`` for that stage (right after the stage's last
-backward pass). What the optimizer then does with them (keep the owned partition, drop the
-rest, clip on the global norm, step) is DeepSpeed's own ZeRO-2 code, unchanged.
+backward pass, W included under split backward). What the optimizer then does with them (keep
+the owned partition, drop the rest, clip on the global norm, step) is DeepSpeed's own code,
+unchanged.
 
-ZeRO-3 keeps DeepSpeed's own parameter gathering (module hooks fetch a layer's shards before it
-runs, forward and backward, and release them after); only its gradient hooks are told to hold
-their reduce (DeepSpeed's ``_coalesce_grad_reduction`` switch) until the step tail.
+ZeRO-3 gathers a stage's weight shards once per run of its passes in one direction
+(``gather_params`` / ``release_params``); DeepSpeed's per-layer hooks find them whole and leave
+them so. Under split backward the W passes belong to the backward runs, so a W always finds its
+stage gathered: it needs no weight values (it multiplies kept activations by kept output
+gradients), but it accumulates into the full-shaped parameter, whose gradient hook DeepSpeed
+owns. Those hooks are told to hold their reduce (``_coalesce_grad_reduction``); the stage's
+gradients go into ZeRO-3's reduce-scatter buckets at its ``reduce_stage_grads``, once per step.
 
 Tied parameters (``PipelineModule``'s tied weights) are all-reduced across the pipeline at the
 step tail first, so they are reduced over data parallel only then, with whatever a stage's
@@ -41,10 +46,8 @@ def check_zero_config(config: dict[str, Any], *, schedule: str, allowed: tuple[i
     """
     zero = int((config.get("zero_optimization") or {}).get("stage", 0))
     if zero not in allowed:
-        why = (" (ZeRO-3 releases a layer's gathered parameters after its backward, and this schedule's split "
-               "backward computes weight gradients later, in W)" if zero == 3 and 2 in allowed else "")
         stages = ", ".join(str(z) for z in allowed)
-        raise ValueError(f"zero_optimization.stage={zero} is not supported with schedule {schedule!r}{why}: it runs with ZeRO "
+        raise ValueError(f"zero_optimization.stage={zero} is not supported with schedule {schedule!r}: it runs with ZeRO "
                          f"stages {stages}; set zero_optimization.stage to one of them, or pick a schedule that lists {zero} "
                          "in `ds-vshape list`")
     if zero == 3 and tied:
@@ -147,31 +150,41 @@ class StageGradReducer:
 
 
 _NEEDED_3 = ("_coalesce_grad_reduction", "fp16_groups", "reduce_independent_p_g_buckets_and_remove_grads",
-             "independent_gradient_partition_epilogue", "model_parallel_rank")
+             "independent_gradient_partition_epilogue", "model_parallel_rank", "set_gradient_accumulation_boundary")
 
 
 class Zero3Reducer:
     """Drives DeepSpeed's ZeRO-3 by stage: weights gathered once per run of a stage's passes in
-    one direction (``gather_params`` / ``release_params`` in the lowered stream), gradients
-    reduced once per step, at the step tail.
+    one direction (``gather_params`` / ``release_params`` in the lowered stream), each stage's
+    gradients reduce-scattered once per step at its ``reduce_stage_grads`` (after its last
+    backward pass, W included), the rest (tied weights) at the step tail.
 
     ``tensor_parallel_rank``: this rank's tensor-slicing rank. DeepSpeed's ZeRO-3 counts a
     parameter in the gradient norm only on model-parallel rank 0, and the pipeline grid's
     model-parallel group spans the pipeline stages, so every stage but the first would drop
-    out of the clipping norm; the tensor-slicing rank is what that rule means.
+    out of the clipping norm; the tensor-slicing rank is what that rule means. ``tied``: ids
+    of parameters all-reduced across stages at the step tail (reduced in ``finish``); ``rank``:
+    this process's global rank, for errors.
     """
 
-    OPS = frozenset({OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS})  # the lowered ops it acts on
+    OPS = frozenset({OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS, OpKind.REDUCE_STAGE_GRADS})  # the lowered ops it acts on
 
-    def __init__(self, optimizer: Any, stage_params: dict[int, list[torch.nn.Parameter]], *, tensor_parallel_rank: int) -> None:
+    def __init__(self, optimizer: Any, stage_params: dict[int, list[torch.nn.Parameter]], *, tensor_parallel_rank: int,
+                 tied: frozenset[int] = frozenset(), rank: int = 0) -> None:
         _require(optimizer, _NEEDED_3, stage=3, wants="DeepSpeed's DeepSpeedZeroOptimizer_Stage3")
         self._opt = optimizer
         optimizer._coalesce_grad_reduction = True  # the gradient hooks keep accumulating, reduce nothing
         optimizer.model_parallel_rank = tensor_parallel_rank
         self._stages = {stage: [p for p in params if hasattr(p, "ds_status")] for stage, params in stage_params.items()}
+        self._reduced = {stage: [p for p in params if p.requires_grad and id(p) not in tied]
+                         for stage, params in self._stages.items()}
         self._persist: dict[int, tuple[bool, bool]] = {}  # DeepSpeed's own flags of each gathered parameter
-        self.calls = 0
+        self._gathered: set[int] = set()  # stages whose weights are whole now
+        self._done: dict[int, int] = {}  # parameter id -> the stage whose reduce took it this step
+        self.calls = 0  # reduce rounds this step (a stage's, or the tail's)
         self.gathers = 0  # stage gathers this step
+        self.step = 0  # steps started, for errors
+        self._rank = rank
 
     def gather_stage(self, stage: int) -> None:
         """The stage's weights whole until ``release_stage``: one all-gather for all its layers.
@@ -187,6 +200,7 @@ class Zero3Reducer:
             # DeepSpeed's release after a layer's pass skips either flag, depending on whether
             # its module trace is complete (a pipeline's rarely is): set both while gathered.
             p.ds_persist = p.is_external_param = True
+        self._gathered.add(stage)
         missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if missing:
             missing[0].all_gather(param_list=missing)
@@ -197,24 +211,58 @@ class Zero3Reducer:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         params = self._stages.get(stage, [])
+        self._gathered.discard(stage)
         for p in params:
             p.ds_persist, p.is_external_param = self._persist.pop(id(p), (p.ds_persist, p.is_external_param))
-        whole = [p for p in params if not p.ds_persist and p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
+            # DeepSpeed marks a layer active from its forward or pre-backward hook until its
+            # post-backward hook; that hook counts one forward in flight per layer, so with several
+            # micro-batches in flight (and a first stage's input, which takes no gradient) a mark
+            # outlives every pass and would keep the stage whole. No pass of the stage runs between
+            # its runs: a mark left now is stale.
+            p.ds_active_sub_modules.clear()
+        whole = [p for p in params if not p.ds_persist and p.ds_status == ZeroParamStatus.AVAILABLE]
         if whole:
             whole[0].partition(param_list=whole)
 
+    def require_gathered(self, stage: int, *, what: str) -> None:
+        """A W pass accumulates into its stage's full-shaped parameters: refuse one outside a gathered run."""
+        if self._stages.get(stage) and stage not in self._gathered:
+            raise RuntimeError(f"rank {self._rank}, step {self.step}: {what} of stage {stage} runs while the stage's ZeRO-3 "
+                               "weights are released; the lowered stream must place every pass of a stage between its "
+                               "gather_params and release_params (schedules/lowering.py add_param_gathers)")
+
     def start_step(self) -> None:
         self.calls = self.gathers = 0
+        self._done.clear()
+        self.step += 1
 
     def reduce_stage(self, stage: int) -> None:
-        """Nothing yet: ZeRO-3's gradients are reduced at the step tail (``finish``)."""
+        """The stage's last backward pass ran: its gradients are the step's totals, reduce-scatter them now."""
+        self._reduce(stage, [p for p in self._reduced.get(stage, []) if id(p) not in self._done])
 
     def finish(self) -> None:
+        """The step tail: reduce what no stage did (tied weights, after their cross-stage
+        all-reduce), then DeepSpeed's epilogue hands the owned partitions to the optimizer."""
+        rest = [p for group in self._opt.fp16_groups for p in group if p.requires_grad and id(p) not in self._done]
+        late = [(self._done[id(p)], p) for group in self._opt.fp16_groups for p in group
+                if id(p) in self._done and p.grad is not None]
+        if late:
+            stage, p = late[0]
+            raise RuntimeError(f"rank {self._rank}, step {self.step}: {len(late)} gradient(s) of stage {stage} (first: ds_id {p.ds_id}) "
+                               "arrived after the stage's reduce_stage_grads and would be lost; the lowered stream must "
+                               "place it after the stage's last backward pass, W included (schedules/lowering.py "
+                               "add_stage_reduces)")
+        self._reduce(-1, rest)
+
+    def _reduce(self, stage: int, params: list[torch.nn.Parameter]) -> None:
         opt = self._opt
-        for group in opt.fp16_groups:
-            for param in group:
-                if param.requires_grad and param.grad is not None:
-                    opt.reduce_independent_p_g_buckets_and_remove_grads(param)
+        opt.set_gradient_accumulation_boundary(True)  # every gradient reduced here is the step's total
+        for p in params:
+            self._done[id(p)] = stage
+            if p.grad is not None:
+                opt.reduce_independent_p_g_buckets_and_remove_grads(p)
+        # Flushes the buckets now (this stage's reduce-scatter starts here, not when a later stage
+        # fills them) and points the optimizer at the owned partitions.
         opt.independent_gradient_partition_epilogue()
         self.calls += 1
 

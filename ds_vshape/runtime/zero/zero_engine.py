@@ -31,9 +31,10 @@ class ZeroPipelineMixin:
         if stage not in (2, 3):
             return None
         stages = {s: [p for m in self.module.stage_modules(s) for p in m.parameters()] for s in self.module.local_stages}
-        if stage == 3:
-            return Zero3Reducer(self.optimizer, stages, tensor_parallel_rank=self.grid.get_slice_parallel_rank())
         tied = {id(w) for w, _ in self.module.get_tied_weights_and_groups()}
+        if stage == 3:
+            return Zero3Reducer(self.optimizer, stages, tensor_parallel_rank=self.grid.get_slice_parallel_rank(),
+                                tied=frozenset(tied), rank=dist.get_rank())
         return StageGradReducer(self.optimizer, stages, tied=tied)
 
     def zero_optimization_stage(self) -> int:
@@ -62,6 +63,11 @@ class ZeroPipelineMixin:
     def _exec_release_params(self, stage: int) -> None:
         if isinstance(self._zero_reducer, Zero3Reducer):
             self._zero_reducer.release_stage(stage)
+
+    def _zero_before_weight_pass(self, stage: int, micro_batch: int) -> None:
+        """Under ZeRO-3 a W pass accumulates into full-shaped parameters: its stage must be gathered."""
+        if isinstance(self._zero_reducer, Zero3Reducer):
+            self._zero_reducer.require_gathered(stage, what=f"the W pass of micro-batch {micro_batch}")
 
     def _exec_reduce_tied_grads(self) -> None:
         if self._zero_reducer is None:

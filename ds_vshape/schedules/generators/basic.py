@@ -16,7 +16,7 @@ from ._seq_units import expand_units
 __all__ = ["gpipe", "one_f_one_b", "one_f_one_b_ranks"]
 
 
-@register("gpipe", summary="all forwards, then all backwards; peak memory m", zero_stages=(0, 1, 2, 3))
+@register("gpipe", summary="all forwards, then all backwards; peak memory m")
 def gpipe(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     ranks = tuple(tuple([F(r, i) for i in range(m)] + [BW(r, i) for i in range(m)]) for r in range(p))
     return Schedule("gpipe", p, m, 1, 1, linear(p), ranks)
@@ -27,7 +27,6 @@ def gpipe(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None 
     aliases=("one-f-one-b", "train"),
     summary="DeepSpeed's TrainSchedule order; peak memory p (1 + (p-1)/k with k seq chunks)",
     seq_chunks=True,
-    zero_stages=(0, 1, 2, 3),
 )
 def one_f_one_b(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     return Schedule("1f1b", p, m, 1, k, linear(p), one_f_one_b_ranks(p, m, k=k))

@@ -29,7 +29,6 @@ __all__ = ["interleaved", "breadth_first"]
     summary="Megatron interleaved 1F1B (depth-first) on looped placement; v chunks per rank",
     fixed_chunks=None,
     placement="looped",
-    zero_stages=(0, 1, 2, 3),
     min_micro_batches=lambda p, v, k: p,
 )
 def interleaved(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -88,7 +87,6 @@ def _interleaved_rank(r: int, p: int, m: int, v: int, table: list[tuple[int, int
     summary="breadth-first on looped placement: all micro-batches per chunk, so ZeRO-2/3 reduce each chunk once; memory m",
     fixed_chunks=None,
     placement="looped",
-    zero_stages=(0, 1, 2, 3),
 )
 def breadth_first(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Valid for any m; with m < p rank 0 waits at every loop for the first micro-batch to
