@@ -3,10 +3,10 @@
 Launched by ``benchmarks/run_real.sh`` (``make bench-real``) under torchrun with 2 ranks, one
 per core. The model is a Llama sized by the options (default hidden 384, 8 blocks, 6 heads,
 FFN 1056, byte vocabulary, sequences of 128), trained on the recipe's data with
-``ds_configs/<schedule>.json`` (AdamW, 8 micro-batches of 4, clipping 1.0). Per round and
-schedule: a fresh engine, warm-up steps, then timed steps framed by barriers; rounds go
-round-robin over the schedules so that drift of the machine hits all of them alike. Rank 0
-appends one JSON line per schedule and round to ``--out``.
+``ds_configs/<schedule>.json`` (AdamW, 8 micro-batches of 4, clipping 1.0). Per round: a fresh
+engine for every schedule, then warm-up and timed steps framed by barriers, the schedules taking
+turns step by step so that drift of the machine hits all of them alike. Rank 0 appends one
+JSON line per schedule and round to ``--out``.
 
 Per step and rank it records each instruction's time (``Probe``) and the process's CPU time,
 so the report can say where the step went: passes, other instructions, waits, idle.
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--schedules", nargs="*", default=None, help="default: deepspeed-1f1b and every ds_vshape runtime schedule")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds over all schedules; the report keeps each one's best")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines each); the report keeps each schedule's best")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--blocks", type=int, default=8)
@@ -89,28 +89,49 @@ def build(schedule: str, args: argparse.Namespace, p: int) -> tuple[Any, Probe, 
     return engine, probe, tokens
 
 
-def run(schedule: str, args: argparse.Namespace, p: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    engine, probe, tokens = build(schedule, args, p)
-    build_s = time.perf_counter() - t0
-    train_ids, _ = load_tokens(DEFAULT_DATA, ByteTokenizer())
-    data = batches(train_ids, batch=engine.train_micro_batch_size_per_gpu(), seq_len=args.seq_len, seed=1234)
-    steps = []
-    for i in range(args.warmup + args.steps):
-        probe.reset()
+class Runner:
+    """One schedule's engine, probe and data, stepped one step at a time (steps interleave)."""
+
+    def __init__(self, schedule: str, args: argparse.Namespace, p: int) -> None:
+        self.schedule, self.error, self.steps = schedule, None, []  # type: ignore[var-annotated]
+        t0 = time.perf_counter()
+        try:
+            self.engine, self.probe, self.tokens = build(schedule, args, p)
+            train_ids, _ = load_tokens(DEFAULT_DATA, ByteTokenizer())
+            self.data = batches(train_ids, batch=self.engine.train_micro_batch_size_per_gpu(), seq_len=args.seq_len, seed=1234)
+        except Exception as err:  # reported in the schedule's line; the others still run
+            self.error = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        self.build_s = time.perf_counter() - t0
+
+    def step(self, *, timed: bool) -> None:
+        """One training step framed by barriers (every rank calls it, also after an error)."""
+        if self.error is not None:
+            dist.barrier()
+            return
+        self.probe.reset()
         dist.barrier()
         t, cpu, faults = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        loss = float(engine.train_batch(data).item())
+        try:
+            loss = float(self.engine.train_batch(self.data).item())
+        except Exception as err:
+            self.error = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            return
         cpu, local = time.process_time() - cpu, time.perf_counter() - t  # before the barrier: this rank's own step
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # fresh pages the allocator touched
         dist.barrier()
         dt = time.perf_counter() - t
+        engine, probe = self.engine, self.probe
         peak = engine.peak_activation_bytes if hasattr(engine, "peak_activation_bytes") else probe.meter.peak_bytes  # type: ignore[union-attr]
-        if i >= args.warmup:
+        if timed:
             snap = probe.snapshot()
             del snap["device"]  # the emulated device's; nothing sleeps here
-            steps.append({"step_s": dt, "local_s": local, "cpu_s": cpu, "page_faults": faults, "loss": loss, "peak_activation_bytes": int(peak), **snap})
-    return {"build_s": build_s, "tokens_per_step": tokens, "steps": steps}
+            self.steps.append({"step_s": dt, "local_s": local, "cpu_s": cpu, "page_faults": faults, "loss": loss,
+                               "peak_activation_bytes": int(peak), **snap})
+
+    def record(self) -> dict[str, Any]:
+        if self.error is not None:
+            return self.error
+        return {"build_s": self.build_s, "tokens_per_step": self.tokens, "steps": self.steps}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,26 +146,29 @@ def main(argv: list[str] | None = None) -> None:
         with args.out.open("a") as fh:
             fh.write(json.dumps({"kind": "latency", "p": p, **latency}) + "\n")
     for round_ in range(args.rounds):
-        for schedule in schedules:
-            measure(schedule, round_, args, rank, p)
+        # Every engine is built first and the schedules take turns step by step: a slow spell of
+        # the machine then falls on all of them alike, not on whichever ran at the time.
+        runners = [Runner(schedule, args, p) for schedule in schedules]
+        for i in range(args.warmup + args.steps):
+            for runner in runners:
+                runner.step(timed=i >= args.warmup)
+        for runner in runners:
+            report(runner, round_, args, rank, p)
+        del runners
+        gc.collect()
     dist.barrier()
     dist.destroy_process_group()  # gloo's threads can abort the process at interpreter teardown
 
 
-def measure(schedule: str, round_: int, args: argparse.Namespace, rank: int, p: int) -> None:
+def report(runner: Runner, round_: int, args: argparse.Namespace, rank: int, p: int) -> None:
     """One schedule's round: every rank's figures gathered, one JSON line written by rank 0."""
-    t0 = time.perf_counter()
-    try:
-        mine: dict[str, Any] = run(schedule, args, p)
-    except Exception as err:
-        mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
     gathered: list[Any] = [None] * p
-    dist.all_gather_object(gathered, mine)
-    gc.collect()
+    dist.all_gather_object(gathered, runner.record())
     if rank == 0:
+        schedule = runner.schedule
         system, name = ("deepspeed", "1f1b") if schedule == "deepspeed-1f1b" else ("ds_vshape", schedule)
         rec = {"kind": "real", "system": system, "schedule": name, "p": p, "round": round_, "model": model_of(args),
-               "wall_s": time.perf_counter() - t0, "ranks": gathered}
+               "ranks": gathered}
         with args.out.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
         errs = [g["error"] for g in gathered if "error" in g]
@@ -153,7 +177,7 @@ def measure(schedule: str, round_: int, args: argparse.Namespace, rank: int, p: 
         else:
             med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
             status = f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s"
-        print(f"[real p={p} round {round_}] {system:9s} {name:14s} {status}  ({rec['wall_s']:.1f} s)", flush=True)
+        print(f"[real p={p} round {round_}] {system:9s} {name:14s} {status}", flush=True)
 
 
 def model_of(args: argparse.Namespace) -> dict[str, int]:

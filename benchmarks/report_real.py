@@ -150,8 +150,9 @@ def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     out = ["# Real compute at p = 2: every schedule against DeepSpeed 1F1B, measured and simulated", "",
            f"`make bench-real`: a Llama of hidden {model.get('hidden')}, {model.get('blocks')} blocks, {model.get('heads')} heads, "
            f"FFN {model.get('ffn')}, byte vocabulary, sequences of {model.get('seq_len')}; `ds_configs/<schedule>.json` (AdamW, "
-           f"{MICRO_BATCHES} micro-batches of 4, clipping 1.0); 2 ranks under torchrun, one per CPU core, gloo. Each schedule's best "
-           "round (lowest median step) of the rounds run; CPU-bound and sensitive to other load on the machine.", "",
+           f"{MICRO_BATCHES} micro-batches of 4, clipping 1.0); 2 ranks under torchrun, one per CPU core, gloo. The schedules take "
+           "turns step by step (a slow spell of the machine falls on all alike); each row is the median of its timed steps "
+           "(the best round where several ran). CPU-bound and sensitive to other load on the machine.", "",
            f"Machine: {machine.get('cpu')} ({machine.get('cores')} cores), torch {machine.get('torch')}, deepspeed "
            f"{machine.get('deepspeed')}, commit {machine.get('commit')}; load average before/after: {machine.get('load', {}).get('real')}.", "",
            "Simulated: the schedule's simulator fed with this row's measured pass times (plus its transfer instructions, one "

@@ -103,7 +103,7 @@ if [[ $SYNC == 1 && $P8 == 1 ]]; then
 fi
 if [[ $SYNC == 1 && $REAL == 1 ]]; then
     rm -f "$RAW/real_p2.jsonl"
-    phase real 2 benchmarks/bench_real.py --warmup 1 --steps 3 --rounds 2 --out "$RAW/real_p2.jsonl"
+    phase real 2 benchmarks/bench_real.py --warmup 1 --steps 5 --rounds 1 --out "$RAW/real_p2.jsonl"
 fi
 if [[ $ASYNC == 1 ]]; then
     # The host enqueues passes on a device stream and runs ahead (benchmarks/async_device.py).

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # make bench-real: real compute at p=2 (one rank per CPU core), every schedule and DeepSpeed 1F1B,
 # measured against the simulator with where each rank's time went (benchmarks/bench_real.py,
-# benchmarks/report_real.py -> benchmarks/results/real.{md,json}). About 10 minutes on 2 idle cores.
+# benchmarks/report_real.py -> benchmarks/results/real.{md,json}). About 6 minutes on 2 idle cores.
 #
-# Knobs (environment): ROUNDS (2), WARMUP (1), STEPS (3), SCHEDULES (default: all), EXTRA (more
+# Knobs (environment): ROUNDS (1), WARMUP (1), STEPS (5), SCHEDULES (default: all), EXTRA (more
 # bench_real.py options, e.g. "--hidden 512 --ffn 1408"). The machine should be otherwise idle:
 # other load shows up as step time, and one rank per core is what makes a bubble idle time.
 set -euo pipefail
@@ -22,7 +22,7 @@ port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)
 before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 # shellcheck disable=SC2086
 "$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port "$port" benchmarks/bench_real.py \
-    --rounds "${ROUNDS:-2}" --warmup "${WARMUP:-1}" --steps "${STEPS:-3}" --out "$RAW/real_p2.jsonl" \
+    --rounds "${ROUNDS:-1}" --warmup "${WARMUP:-1}" --steps "${STEPS:-5}" --out "$RAW/real_p2.jsonl" \
     ${SCHEDULES:+--schedules $SCHEDULES} ${EXTRA:-} 2>&1 | tee "$RAW/real.log" | grep -E '^\[real ' || true
 echo "$before -> $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")" >"$RAW/load_real.txt"
 "$PYTHON" benchmarks/report_real.py
