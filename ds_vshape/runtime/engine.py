@@ -20,7 +20,7 @@ from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Kind, Schedule
 from ..schedules.lowering import programs
-from ..schedules.ops import DATA_PARALLEL, split_units
+from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
@@ -169,7 +169,7 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._settle_before_passes()  # the previous step's post-validation
         self._reset_step_state()
         self._seq.start_step(pipe_schedule.schedule.seq_chunks)  # evaluation's forward-only schedule has none
-        self._split = split_units(pipe_schedule.ops)
+        self._split = pipe_schedule.split_units
         self._offload.start_step(pipe_schedule.schedule, pipe_schedule.ops, train=self.module.training)
         logs = bool(self.steps_per_print()) and (self.global_steps + 1) % self.steps_per_print() == 0
         self._measuring = self.measure_memory or logs

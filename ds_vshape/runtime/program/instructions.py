@@ -13,6 +13,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ...schedules import Schedule
 from ...schedules.lowering import Op, OpKind, lower
+from ...schedules.ops import split_units
 
 __all__ = [
     "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",
@@ -141,6 +142,7 @@ class IRSchedule(ds_schedule.PipeSchedule):
         self.schedule = schedule
         self.ops = [op for op in lower(schedule, rank, train=train) if op.kind not in without]
         self._instructions = [to_instruction(op) for op in self.ops]
+        self.split_units = split_units(self.ops)  # the units whose forwards split backward routes
 
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
         for instruction in self._instructions:

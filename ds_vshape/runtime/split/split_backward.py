@@ -325,12 +325,14 @@ def _route_forward(mod: nn.Module, store: WeightGradStore, *, owner: bool) -> No
         context = routing(store) if owner or store.routed_whole() else nullcontext()
         context.__enter__()
         entered.append(context)
-        store.enter_module(+1 if owner else 0)
+        if owner:
+            store.enter_module(+1)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if store.current is not None and not store.is_suspended and torch.is_grad_enabled():
             inspect_outputs(store, output)  # a custom Function's output that no routed call consumed
-        store.enter_module(-1 if owner else 0)  # after: a Function applied in this module was applied inside it
+        if owner:  # after: a Function applied in this module was applied inside it
+            store.enter_module(-1)
         if entered:
             entered.pop().__exit__(None, None, None)
 
