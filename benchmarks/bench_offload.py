@@ -168,7 +168,8 @@ def render(records: list[dict[str, Any]], *, steps: int, seq_len: int) -> str:
             f"`benchmarks/bench_offload.py`: per rank, the peak activation bytes of the last of {steps} steps, on the device "
             "(`engine.peak_activation_bytes`) and in host memory (`engine.peak_host_activation_bytes`) apart. The busiest "
             "rank's peak splits into what autograd saved (on the device), what split backward keeps from B to W (not "
-            "offloaded), and offloaded units on the device (a forward running, or reloaded for the coming backward). "
+            "offloaded), and offloaded units on the device (reloaded for the coming backward, or a saved tensor on its way "
+            "to host). "
             "Losses: every step's loss on rank 0. Step times come from CPU ranks sharing 2 cores with other work: the "
             "copies are plain memory copies with no copy engine to hide them, and the noise is larger than the "
             "differences.\n\n")
@@ -183,10 +184,10 @@ def at_peak(records: list[dict[str, Any]]) -> str:
              "MIN_BYTES, their stage inputs and outputs); *kept for W*: the device bytes each unit's parked W work "
              "holds (0 when offloaded); *offloaded units back*: an offloaded unit in its forward, reloaded for its B, "
              "or the one whose B runs. Why each part stays: a unit outside the share (V at 0.5: the second chunk) "
-             "keeps its saved tensors and what its B keeps for W on the device; an offloaded unit's activations are back "
-             "from the pass before its B (the copy overlaps that pass) and while its B runs; what an offloaded unit's B "
-             "keeps for W is on the host only while its W is two or more passes away, back from the pass before its W "
-             "on; a stage's inputs and outputs stay (the engine holds them).\n"]
+             "keeps its saved tensors on the device; an offloaded unit's saved tensors go to host as autograd saves them "
+             "(its forward does not pile them up), and are back from the pass before its B (the copy overlaps that pass) "
+             "and while its B runs; what any unit's B keeps for W is on the host while its W is two or more passes "
+             "away, back from the pass before its W on; a stage's inputs and outputs stay (the engine holds them).\n"]
     for r in records:
         device = [g["steps"][-1]["device"] for g in r["ranks"]]
         busiest = device.index(max(device))

@@ -12,9 +12,10 @@ activation), ``reload_points`` says at which pass each unit's reload starts (the
 before its backward: the copy overlaps that pass), ``offload_plan`` bundles both.
 
 Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) is idle
-from B to W. For the offloaded units whose W runs apart from their B, with another pass in
-between, it goes to host after B too and comes back one pass ahead of W
-(``w_reload_points``). The runtime executes the plan; the simulator counts it
+from B to W. With any share above 0, for every unit whose W runs apart from its B (another
+pass in between), offloaded or not, it goes to host after B and comes back one pass ahead of
+W (``w_reload_points``): under V placement the second chunk's kept tensors, outside a 0.5
+share, are what would otherwise stay at the peak. The runtime executes the plan; the simulator counts it
 (``simulate(..., offload=share)``).
 Pure: no torch.
 """
@@ -161,4 +162,6 @@ def offload_plan(schedule: Schedule, rank: int, share: float, *, costs: Costs | 
     every = [a.unit for a in schedule.ranks[rank] if a.kind is Kind.F]
     total = sum(costs.seq_share(u[2], k) for u in every)
     taken = sum(costs.seq_share(u[2], k) for u in units) / total if total else 0.0
-    return OffloadPlan(units, reload_points(order, units), taken, w_reload_points(order, units))
+    # What B keeps for W goes for every unit of the rank, not only the share's: it is idle from B to W
+    # whatever the unit, and outside the share it is what stays on the device at V's peak.
+    return OffloadPlan(units, reload_points(order, units), taken, w_reload_points(order, frozenset(every)))

@@ -89,8 +89,9 @@ def _check_offloaded(name: str, ranks: list[dict[str, Any]], *, idle: tuple[int,
     moved = [res["offloaded_units"] > 0 and res["peak_host_activation_bytes"] > 0 for res in ranks]
     assert moved == [r not in idle for r in range(len(ranks))], f"{name}: units offloaded per rank {moved}"
     planned = [res["w_planned"] > 0 for res in ranks]
-    # 1F1B runs fused backward; ZB-H1 at p=2 runs each W right after its B: nothing to hide a copy behind.
-    assert any(planned) == ("1f1b" not in name and name != "p2-zb-h1"), f"{name}: W-kept offload planned {planned}"
+    # 1F1B runs fused backward; the split schedules have a pass between some unit's B and its W on some
+    # rank, and every such unit's W-kept tensors go (offloaded activations or not).
+    assert any(planned) == ("1f1b" not in name), f"{name}: W-kept offload planned {planned}"
     w_moved = [res["w_offloaded_units"] > 0 for res in ranks]
     assert w_moved == planned, f"{name}: W-kept tensors offloaded per rank {w_moved}, planned {planned}"
 

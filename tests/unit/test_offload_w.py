@@ -41,13 +41,19 @@ def test_w_reload_starts_one_pass_before_w_and_only_with_a_gap() -> None:
         w_reload_points(schedule.ranks[0], units, lead=0)
 
 
-def test_plans_take_w_of_offloaded_units_only_and_fused_backward_has_none() -> None:
+def test_plans_take_w_of_every_unit_with_a_gap_and_fused_backward_has_none() -> None:
     for rank in range(4):
         assert offload_plan(generate("1f1b", 4, 8), rank, 1.0).w_units == frozenset()
         for name in ("zb-h1", "v-half", "v-zb"):
-            plan = offload_plan(generate(name, 4, 8), rank, 0.5)
-            assert plan.w_units <= plan.units, (name, rank)
-    assert offload_plan(generate("v-half", 4, 8), 0, 0.5).w_units  # V-Half's first chunk has W apart from B
+            schedule = generate(name, 4, 8)
+            plan = offload_plan(schedule, rank, 0.5)
+            every = frozenset(a.unit for a in schedule.ranks[rank] if a.kind is Kind.F)
+            # The W-kept share does not follow the activation share: every unit with a pass between B and W.
+            gapped = frozenset().union(*w_reload_points(schedule.ranks[rank], every).values())
+            assert plan.w_units == gapped, (name, rank)
+            assert offload_plan(schedule, rank, 0.0).w_units == plan.w_units  # the plan; the runtime skips share 0
+    half = offload_plan(generate("v-half", 4, 8), 3, 0.5)
+    assert half.w_units - half.units  # V-Half at 0.5: the second chunk's W-kept tensors go too
 
 
 def test_simulator_moves_w_kept_memory_to_host() -> None:

@@ -1,18 +1,22 @@
 """Activation offload in the engine (PipeOffload): saved tensors to host after F, back before B.
 
-For the units ``schedules.offload`` picks, a saved-tensor hook keeps, per storage, what autograd
-saves during the unit's forward (``forward``). When the forward ends (``after_forward``) every
-such storage is copied to a host buffer from a reused pool, on a copy stream on CUDA, and the
-device copy is let go; storages that live on anyway stay on the device, since copying them
-would free nothing: the stage's inputs and outputs (the engine holds them), the keys/values a
-micro-batch's later sequence chunks read, parameters, tensors under ``min_bytes``. The reload
+For the units ``schedules.offload`` picks, a saved-tensor hook copies each storage autograd
+saves during the unit's forward (``forward``) to a host buffer from a reused pool as it is
+saved, on a copy stream on CUDA, and holds only the copy: the device memory goes as soon as
+the forward itself lets go of the tensor, so a unit's activations never pile up on the device,
+not even while its own forward runs. With sequence chunks, whose K/V buffers are written in
+place across the chunks' forwards, the copies wait for the forward's end (``after_forward``).
+Storages that live on anyway stay on the device, since copying them would free nothing: the
+stage's inputs and outputs (the engine holds them; one copied when saved gets its copy
+dropped when the forward ends), the keys/values a micro-batch's later sequence chunks read,
+parameters, tensors under ``min_bytes``. The reload
 of a unit starts as the pass before its backward starts (``before_pass``), on a second copy
 stream, so it overlaps that pass; its backward waits for it (a reload the plan did not start
 in time is started there). The values come back bit for bit, so gradients are exact.
 
 Split backward: what B keeps for W (the weight GEMMs' inputs and output gradients) goes to
-host after B too (``after_backward_input``, ``w_kept``) where the plan says so (offloaded units
-whose W runs at least two passes after their B), and comes back as the pass before that W
+host after B too (``after_backward_input``, ``w_kept``) where the plan says so (every unit
+whose W runs at least two passes after its B), and comes back as the pass before that W
 starts; W waits for it. Elsewhere it stays on the device until W.
 
 On the CPU the copies are real copies into the separate host pool, done at once, so the
@@ -63,8 +67,8 @@ def offload_notes(share: float, *, checkpoint_interval: int, split_backward: boo
     notes = []
     if split_backward:
         notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
-                     "gradients) goes to host only for offloaded units whose W runs two or more passes after their B; "
-                     "elsewhere it stays on the device until W")
+                     "gradients) goes to host for every unit whose W runs two or more passes after its B, inside the "
+                     "share or not; where W follows B at once it stays on the device")
     if checkpoint_interval > 0:
         notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
                      "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
@@ -84,7 +88,11 @@ class _Slot:
     handles: int = 0
     kept: bool = False  # lives on anyway: stays on the device, not the offloader's to count
     token: Any = None  # the meter's hold on a kept storage
-    pending: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (saved tensor, version) until after_forward
+    # (saved tensor, its version) until after_forward; weak, so that a copy made at save time frees the device memory
+    pending: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
+    # The storage itself, weakly: once copied, its address may pass to another storage (torch keeps one
+    # Python object per live storage, so ``alive() is storage`` tells the two apart).
+    alive: weakref.ref[torch.UntypedStorage] | None = None
 
 
 class _Packed:
@@ -119,9 +127,10 @@ class Offloader:
         self._reload_at: dict[int, tuple[Unit, ...]] = {}
         self._passes: list[tuple[Kind, Unit]] = []
         self._next = 0
-        self._open: dict[Unit, dict[int, _Slot]] = {}  # forward running or done, not yet after_forward
+        self._open: dict[Unit, dict[Any, _Slot]] = {}  # by storage address; forward running or done, not yet after_forward
         self._slots: dict[Unit, list[_Slot]] = {}  # offloaded, until their backward began
         self._measure = False
+        self._at_save = False  # copy each saved storage when saved, not when the forward ends
         self.device_bytes = 0
         self.host_bytes = 0
         self.offloaded_units = 0  # units that went to host, over the engine's life (tests read it)
@@ -153,6 +162,8 @@ class Offloader:
             plan = offload_plan(schedule, self._rank, self.share, passes=actions)
             self._plan_of = (id(schedule), (plan, passes, schedule))  # the schedule kept: its id stays unique
         plan, self._passes, _ = self._plan_of[1]
+        # Sequence chunks write K/V buffers in place across the chunks' forwards: those copy at the end.
+        self._at_save = schedule.seq_chunks == 1
         self._units, self._reload_at = plan.units, plan.reload_at
         self._w_units, self._w_reload_at = plan.w_units, plan.w_reload_at
 
@@ -185,11 +196,16 @@ class Offloader:
                 return self._meter.hold(t) if self._measure else t
             storage = t.untyped_storage()
             slot = slots.get(storage.data_ptr())
+            if slot is not None and slot.alive() is not storage:  # another storage at a freed one's address
+                slots[(storage.data_ptr(), id(slot))] = slot  # still the unit's, under a key no storage has
+                slot = None
             if slot is None:
-                slot = slots[storage.data_ptr()] = _Slot(storage.nbytes(), storage)
+                slot = slots[storage.data_ptr()] = _Slot(storage.nbytes(), storage, alive=weakref.ref(storage))
                 self._count(device=slot.nbytes)
-            slot.pending.append((t, t._version))
+            slot.pending.append((weakref.ref(t), t._version))
             slot.handles += 1
+            if self._at_save and slot.host is None:
+                self._to_host([slot])  # the device memory goes as soon as the forward lets go of the tensor
             packed = _Packed(slot, t)
             weakref.finalize(packed, self._drop, slot)
             return packed
@@ -207,33 +223,40 @@ class Offloader:
 
     def after_forward(self, unit: Unit, keep: Iterable[torch.Tensor]) -> None:
         """``unit``'s forward ended: copy its saved storages to host, except those in ``keep``."""
+        keep = [t for t in keep if torch.is_tensor(t)]
+        if unit in self._w_units:  # also a unit whose activations stay: its W-kept tensors may go
+            self._live_of[unit] = [t.untyped_storage() for t in keep]
         slots = self._open.pop(unit, None)
         if slots is None:
             return
-        keep = [t for t in keep if torch.is_tensor(t)]
-        if unit in self._w_units:
-            self._live_of[unit] = [t.untyped_storage() for t in keep]
-        kept = {_ptr(t) for t in keep}
-        moved = []
+        kept = {_ptr(t): t for t in keep}
         for ptr, slot in slots.items():
             _check_unchanged(slot, unit, self._rank)
-            if ptr in kept:
-                self._keep(slot)
-            elif slot.handles > 0:
-                moved.append(slot)
-        if moved:
-            self._to_host(moved)
-            self._slots[unit] = moved
+            if ptr in kept and slot.alive() is kept[ptr].untyped_storage():
+                self._keep(slot, kept[ptr])
+        self._to_host([slot for slot in slots.values() if not slot.kept and slot.handles > 0 and slot.host is None])
+        away = [slot for slot in slots.values() if not slot.kept and slot.host is not None]
+        for slot in away:
+            slot.pending.clear()
+        if away:
+            self._slots[unit] = away
             self.offloaded_units += 1
 
-    def _keep(self, slot: _Slot) -> None:
+    def _keep(self, slot: _Slot, tensor: torch.Tensor) -> None:
+        """``slot``'s storage lives on anyway (a stage input or output, K/V): it stays on the device."""
         slot.kept = True
-        if self._measure and slot.pending:
-            slot.token = self._meter.hold(slot.pending[0][0])  # counted once with the other holders of it
+        if slot.host is not None:  # copied when saved: the copy goes, the live storage serves the backward
+            self._pool.give(slot.host, event=slot.d2h)
+            slot.host, slot.device = None, tensor.untyped_storage()
+            self._count(device=slot.nbytes, host=-slot.nbytes)
+        if self._measure:
+            slot.token = self._meter.hold(tensor)  # counted once with the other holders of it
         slot.pending.clear()
         self._count(device=-slot.nbytes)
 
     def _to_host(self, slots: list[_Slot]) -> None:
+        if not slots:
+            return
         stream = self._streams[0] if self._streams else None
         if stream is not None:
             stream.wait_stream(self._current())  # the forward's results, before they are copied
@@ -247,7 +270,6 @@ class Offloader:
                     slot.d2h = torch.cuda.Event()
                     slot.d2h.record(stream)
                 slot.device = None
-                slot.pending.clear()
                 self._count(device=-slot.nbytes, host=slot.nbytes)
 
     # ---- backward ---------------------------------------------------------------------------------
@@ -369,10 +391,12 @@ def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
 
 
 def _check_unchanged(slot: _Slot, unit: Unit, rank: int) -> None:
-    """A saved tensor written in place after it was saved would go to host with the new values."""
-    for t, version in slot.pending:
-        if t._version != version:
+    """A saved tensor written in place after it was saved: autograd would refuse it in backward, and the
+    host copy (made when saved, or when the forward ended) would not hold what autograd saved."""
+    for ref, version in slot.pending:
+        t = ref()
+        if t is not None and t._version != version:  # one freed since cannot have been written
             raise RuntimeError(
                 f"pipeline rank {rank}: unit {unit} wrote a tensor in place after autograd saved it for backward "
-                f"(shape {tuple(t.shape)}); offload copies at the end of the forward and would keep the new values. "
+                f"(shape {tuple(t.shape)}); its offloaded copy would not hold the values autograd saved. "
                 "Make the operation out of place, or set pipeline.offload to 0")

@@ -1,7 +1,7 @@
 """What split backward keeps from B to W, offloaded: to host after B, back ahead of W.
 
-For the units the plan names (``OffloadPlan.w_reload_at``: offloaded units whose W runs at
-least two passes after their B), the storages of the tensors the weight-gradient store keeps
+For the units the plan names (``OffloadPlan.w_reload_at``: with any offload share, every unit
+whose W runs at least two passes after its B), the storages of the tensors the weight-gradient store keeps
 for W (``WeightGradStore.held``: the weight GEMMs' inputs, the output gradients, re-run graphs'
 saved tensors) are copied to a host buffer after B and the device memory is let go by resizing
 the storage to zero bytes. The storage object itself stays, so every tensor and autograd node
