@@ -42,7 +42,8 @@ from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
 from recipes.train_hf import preset_config, seed_layer  # noqa: E402
 
-__all__ = ["LayerKept", "Stage", "gemm_floor", "layer_stages", "main", "measure_layer", "saved_storages"]
+__all__ = ["LayerKept", "Measured", "Stage", "gemm_floor", "gemm_groups", "group_shares", "layer_stages", "main", "measure",
+           "measure_layer", "saved_storages"]
 
 KIB = 1024
 MICRO_BATCH = 4  # sequences per micro-batch in every ds_configs/*.json
@@ -125,12 +126,13 @@ def _backward(out: torch.Tensor) -> None:
     torch.autograd.backward(out, grad)
 
 
-def gemm_floor(stage: Stage) -> tuple[int, int]:
+def gemm_floor(stage: Stage, *, group: str | None = None) -> tuple[int, int]:
     """(input bytes, output-gradient bytes) W needs for the layer's parameter GEMMs, from a plain forward.
 
     Every ``nn.Linear``/``nn.Embedding`` call with a trainable weight counts; an input several of them
     share (q, k and v read one tensor) counts once: bytes = tokens x in_features (the indices, for
-    an embedding) and tokens x out_features per output, in the tensors' dtypes.
+    an embedding) and tokens x out_features per output, in the tensors' dtypes. ``group``: only the
+    GEMMs of modules directly inside that module path (see ``gemm_groups``), as if W deferred those alone.
     """
     inputs: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     grads = 0
@@ -143,13 +145,25 @@ def gemm_floor(stage: Stage) -> tuple[int, int]:
             grads += out.numel() * out.element_size()
 
     module = copy.deepcopy(stage.module)
-    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    handles = [m.register_forward_hook(hook) for name, m in module.named_modules()
+               if isinstance(m, (nn.Linear, nn.Embedding)) and (group is None or name.rpartition(".")[0] == group)]
     try:
         _forward(stage, module)()
     finally:
         for h in handles:
             h.remove()
     return sum(x.numel() * x.element_size() for x in inputs.values()), grads
+
+
+def gemm_groups(module: nn.Module) -> list[str]:
+    """Paths of the modules that directly hold parameter GEMMs (a Llama block: its attention and its MLP)."""
+    names = [n.rpartition(".")[0] for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    return list(dict.fromkeys(names))
+
+
+def group_shares(stage: Stage, saved: int) -> dict[str, float]:
+    """Per GEMM group: the floor's share of ``saved`` if W deferred only that group's weight gradients."""
+    return {g: sum(gemm_floor(stage, group=g)) / saved for g in gemm_groups(stage.module)}
 
 
 def measure_layer(stage: Stage) -> LayerKept:
@@ -212,8 +226,8 @@ def table(rows: list[LayerKept]) -> str:
     return "\n".join(lines)
 
 
-def floor_paragraph(block: LayerKept) -> str:
-    """What the block's floor means for the <= 0.5 target, figures from this run."""
+def floor_paragraph(block: LayerKept, groups: dict[str, float]) -> str:
+    """What the block's floor means for the <= 0.5 target, figures from this run; ``groups``: ``group_shares``."""
     floor_share = block.floor / block.saved_plain
     excess = block.floor - TARGET * block.saved_plain
     verdict = (f"The floor is {floor_share:.3f} of what the block's forward saves, above the issue's target of "
@@ -225,9 +239,11 @@ def floor_paragraph(block: LayerKept) -> str:
                f"The floor is {floor_share:.3f} of what the block's forward saves, within the issue's target of {TARGET}.")
     exact = ("Split backward parks exactly the floor" if (block.parked, block.parked_inputs) == (block.floor, block.floor_inputs)
              else "Split backward parks MORE than the floor")
+    partial = "; ".join(f"`{g or '<root>'}` alone {share:.3f}" for g, share in groups.items())
     return (f"{exact} for the decoder block ({block.parked / KIB:.1f} KiB: {block.parked_inputs / KIB:.1f} KiB of GEMM "
             f"inputs that autograd saved anyway, {block.parked_grads / KIB:.1f} KiB of output gradients that exist "
-            f"only because W comes later). {verdict}")
+            f"only because W comes later). {verdict} The floor's share if W deferred only one module's GEMMs "
+            f"(the rest computed in B): {partial}.")
 
 
 def ends_sentence(rows: list[LayerKept]) -> str:
@@ -239,17 +255,35 @@ def ends_sentence(rows: list[LayerKept]) -> str:
             f"head+loss keeps its GEMM input and the logits' gradient, {head.share:.3f} of what head and loss save.")
 
 
-def render(results: list[tuple[str, str, int, list[LayerKept]]], command: str) -> str:
+@dataclass
+class Measured:
+    """One model configuration's rows, and the block's per-group floor shares."""
+
+    size: str
+    attn: str
+    seq_len: int
+    rows: list[LayerKept]
+    groups: dict[str, float]
+
+
+def measure(*, size: str, attn: str, seq_len: int) -> Measured:
+    stages = layer_stages(size=size, attn=attn, seq_len=seq_len)
+    rows = [measure_layer(stage) for stage in stages]
+    block = next(i for i, s in enumerate(stages) if s.kind == "decoder block")
+    return Measured(size, attn, seq_len, rows, group_shares(stages[block], rows[block].saved_plain))
+
+
+def render(results: list[Measured], command: str) -> str:
     from benchmarks.report_auto import commit  # here: it imports matplotlib, which measuring does not need
 
     parts = ["# What split backward keeps for W (`benchmarks/kept_share.py`)", "",
-             f"Command: `{command}`; commit {commit()}; torch {torch.__version__}; single process, fp32, "
+             (f"Command: `{command}`; commit {commit()}; torch {torch.__version__}; single process, fp32, "
              f"micro-batches of {MICRO_BATCH} sequences. Bytes are unique storages (parameters excluded); "
-             "the floor comes from the layer's parameter GEMMs alone (each distinct input once, every output's gradient).", ""]
-    for size, attn, seq_len, rows in results:
-        parts += [f"## Llama `--size {size}`, attention `{attn}`, sequences of {seq_len}", "", table(rows), "",
-                  floor_paragraph(next(r for r in rows if r.kind == "decoder block")), "",
-                  ends_sentence(rows), ""]
+             "the floor comes from the layer's parameter GEMMs alone (each distinct input once, every output's gradient)."), ""]
+    for m in results:
+        parts += [f"## Llama `--size {m.size}`, attention `{m.attn}`, sequences of {m.seq_len}", "", table(m.rows), "",
+                  floor_paragraph(next(r for r in m.rows if r.kind == "decoder block"), m.groups), "",
+                  ends_sentence(m.rows), ""]
     return "\n".join(parts)
 
 
@@ -263,15 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for size in args.size:
         for attn in args.attn:
-            seq_len = args.seq_len or DEFAULT_SEQ[size]
-            rows = [measure_layer(stage) for stage in layer_stages(size=size, attn=attn, seq_len=seq_len)]
-            results.append((size, attn, seq_len, rows))
-            print(f"\n{size}, {attn}, seq {seq_len}\n{table(rows)}")
+            m = measure(size=size, attn=attn, seq_len=args.seq_len or DEFAULT_SEQ[size])
+            results.append(m)
+            print(f"\n{size}, {attn}, seq {m.seq_len}\n{table(m.rows)}")
     command = "python benchmarks/kept_share.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(render(results, command.strip()) + "\n")
     print(f"\nwrote {args.md}")
-    return 0 if all((r.parked, r.parked_inputs) == (r.floor, r.floor_inputs) for *_, rows in results for r in rows) else 1
+    return 0 if all((r.parked, r.parked_inputs) == (r.floor, r.floor_inputs) for m in results for r in m.rows) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.kept_share import MICRO_BATCH, LayerKept, Stage, layer_stages, measure_layer
+from benchmarks.kept_share import MICRO_BATCH, LayerKept, Stage, gemm_floor, gemm_groups, layer_stages, measure_layer
 
 SEQ = 16
 HIDDEN, FFN, VOCAB = 64, 176, 256  # the recipe's tiny Llama (recipes/train_hf.py SIZES["tiny"])
@@ -43,3 +43,12 @@ def test_parked_is_the_floor(rows: dict[str, LayerKept], kind: str) -> None:
 def test_head_keeps_logits_gradient(rows: dict[str, LayerKept]) -> None:
     tokens = MICRO_BATCH * SEQ
     assert rows["head+loss"].floor == tokens * (HIDDEN + VOCAB) * F32
+
+
+def test_block_groups_split_the_floor() -> None:
+    # Attention and MLP read different norms' outputs: deferring one group keeps exactly its part of the floor.
+    block = layer_stages(size="tiny", attn="sdpa", seq_len=SEQ)[1]
+    groups = gemm_groups(block.module)
+    assert [g.rpartition(".")[2] for g in groups] == ["self_attn", "mlp"]
+    parts = [gemm_floor(block, group=g) for g in groups]
+    assert tuple(map(sum, zip(*parts))) == gemm_floor(block)
