@@ -334,11 +334,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--evict-mib", type=int, default=64, help="buffer written before each cold GEMM")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="split_cost", help="output file stem")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="only rewrite the markdown from this run's JSON (no measuring)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+        (args.render.with_suffix(".md")).write_text(render(result) + "\n")
+        return 0
+    from benchmarks.report_auto import commit  # the commit measured, recorded before measuring
+
+    measured_at = commit()
     torch.set_num_threads(1)
     started, load_start = time.perf_counter(), load_average()
     bench = build(args)
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "stage": bench.describe,
               "summary": summarize(timed), "profile": prof, "gemm_control": gemms,
               "command": "python benchmarks/split_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "load_start": load_start, "wall_s": time.perf_counter() - started}
+              "load_start": load_start, "wall_s": time.perf_counter() - started, "commit": measured_at, "torch": torch.__version__}
     md = render(result)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")

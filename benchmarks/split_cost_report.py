@@ -35,7 +35,8 @@ def _header(result: dict[str, Any]) -> list[str]:
 
     info, args = machine(), result["args"]
     return ["# What split backward costs on real compute (`benchmarks/split_cost.py`)", "",
-            f"Command: `OMP_NUM_THREADS=1 {result['command'].strip()}`; commit {commit()}; torch {torch.__version__}.",
+            (f"Command: `OMP_NUM_THREADS=1 {result['command'].strip()}`; commit {result.get('commit') or commit()}; "
+            f"torch {result.get('torch', torch.__version__)}."),
             (f"Machine: {info.get('cpu', 'unknown')}, {info.get('cores', '?')} cores (caches of cpu0: {cache_sizes()}); "
             f"one thread (`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')}`, `torch.set_num_threads(1)`); "
             f"load average {result['load_start']} at the start, {load_average()} at the end; the run took {result['wall_s']:.0f} s."),
@@ -92,7 +93,7 @@ def _categories(prof: dict[str, Any], reps: int) -> list[str]:
              ("Each operator's self time goes to the pass whose window it starts in; `other` is the pass's wall "
              "time minus the categorised operators: Python (ds_vshape's routing and parking included), autograd's "
              "engine and dispatch. The profiler adds its own cost to every call."), "",
-             "| category | " + " | ".join(COLUMNS) + " | plain F+B | split F+B+W | split - plain |", "|---|" + "--:|" * 10]
+             "| category | " + " | ".join(c.replace("|", " ") for c in COLUMNS) + " | plain F+B | split F+B+W | split - plain |", "|---|" + "--:|" * 10]
     for cat in CATEGORIES:
         plain, split = _sum(prof, "plain", cat), _sum(prof, "split", cat)
         row = [_cell(prof["categories"].get(col, {}), cat) for col in COLUMNS]
