@@ -20,7 +20,7 @@ endif
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload bench-real clean-venv
+.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload bench-real bench-split clean-venv
 
 venv: $(STAMP)
 
@@ -101,6 +101,14 @@ bench-zero: venv
 # with where each rank's time went (benchmarks/results/real.md), about 10 minutes on 2 idle cores.
 bench-real: venv
 	PATH="$(abspath $(BIN)):$$PATH" bash benchmarks/run_real.sh
+
+# Split backward on this machine (issue 19): what W keeps per layer kind against the GEMM floor
+# (benchmarks/results/kept_share.md, seconds), and split F+B+W against plain F+B on bench-real's last stage,
+# one thread, with a per-operator profile and a cold/hot GEMM control (benchmarks/results/split_cost.{md,json}),
+# about a minute on an idle core.
+bench-split: venv
+	$(TEST_ENV) $(BIN)/python benchmarks/kept_share.py --size tiny compute --attn sdpa eager
+	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python benchmarks/split_cost.py
 
 bench-offload: venv
 	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/offload.jsonl
