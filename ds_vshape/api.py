@@ -28,7 +28,7 @@ from .runtime.transfers.device import bind_local_device
 from .runtime.dropin.module import PipelineModule, from_deepspeed_module, release_stock_layers, stock_partition_method
 from .runtime.measuring.profile import profiled_cut
 from .runtime.dropin.optim_carry import carry_model_parameters, check_lr_scheduler, rebuild_optimizer
-from .runtime.offload.offloader import check_offload_config, offload_notes
+from .runtime.offload.setup import check_offload_config, offload_notes
 from .runtime.program.seq_chunks import check_module as check_seq_chunk_module
 from .runtime.step_end.tensor_parallel import model_parallel_size
 from .runtime.program.seq_chunks import partition_dims

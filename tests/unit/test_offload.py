@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ds_vshape.runtime.measuring.memory import ActivationMeter
-from ds_vshape.runtime.offload.offloader import HostPool, Offloader, check_offload_config, offload_notes
+from ds_vshape.runtime.offload.offloader import HostPool, Offloader
+from ds_vshape.runtime.offload.setup import check_offload_config, offload_notes
 from ds_vshape.schedules import Kind, Schedule, generate
 from ds_vshape.schedules.lowering import OpKind, lower
 from ds_vshape.schedules.offload import lifespans, offload_plan, offload_units, reload_points

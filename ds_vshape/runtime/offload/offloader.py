@@ -46,34 +46,10 @@ from ..measuring.memory import ActivationMeter
 from .host_pool import HostPool
 from .w_kept import KeptForW, storage_key
 
-__all__ = ["HostPool", "Offloader", "check_offload_config", "offload_notes", "MIN_BYTES"]
+__all__ = ["HostPool", "Offloader", "MIN_BYTES"]
 
 MIN_BYTES = 4096  # smaller saved tensors are not worth a copy (about 1k fp32 elements, as the reference does)
 _KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
-
-
-def check_offload_config(config: dict[str, Any], *, share: float) -> None:
-    """Refuse what offload cannot run with; raises ``ValueError`` naming the key to change."""
-    check_share(share)
-    if share > 0 and (config.get("activation_checkpointing") or {}).get("cpu_checkpointing"):
-        raise ValueError("pipeline.offload cannot run with activation_checkpointing.cpu_checkpointing: both move the "
-                         "checkpointed activations to host memory, DeepSpeed without overlap; set one of them off")
-
-
-def offload_notes(share: float, *, checkpoint_interval: int, split_backward: bool) -> list[str]:
-    """What offload leaves on the device in this setup, worded for the log."""
-    if share <= 0:
-        return []
-    notes = []
-    if split_backward:
-        notes.append("pipeline.offload: what split backward keeps from B to W (weight GEMMs' inputs and output "
-                     "gradients) goes to host for every unit whose W runs two or more passes after its B, inside the "
-                     "share or not; where W follows B at once it stays on the device")
-    if checkpoint_interval > 0:
-        notes.append(f"pipeline.offload with activation_checkpoint_interval={checkpoint_interval}: DeepSpeed's "
-                     "checkpoint keeps each checkpointed block's inputs itself, out of reach of offload; they stay on "
-                     "the device, only layers outside checkpointed blocks are offloaded")
-    return notes
 
 
 @dataclass(eq=False)
