@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from .in_b import FIELD, matching, unmatched
+from .in_b import matching, module_paths
 from .split_graph import inspect_outputs
 from .split_mode import DeferMode, RoutedCall, routing
 from .split_ops import ParkedWork, accumulate
@@ -291,38 +291,25 @@ def _accumulate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None,
-                          in_b: Sequence[str] = (), note: Callable[[str], None] | None = None) -> int:
+                          in_b: Sequence[str] = ()) -> int:
     """Defer to W the gradient of every trainable parameter inside ``modules``; returns how many
     modules own such parameters. ``root`` (the whole model) names modules by their path in it.
 
     ``in_b``: ``fnmatch`` patterns (``split.in_b``); a parameter whose module path matches one gets
-    its gradient in B, like a cheap one. ``note`` is told, once per call, of each pattern that
-    matches no module holding a trainable parameter here (another rank may hold it). A parameter
-    frozen now (``requires_grad=False``) parks nothing as long as it stays frozen.
+    its gradient in B, like a cheap one. A parameter frozen now (``requires_grad=False``) parks
+    nothing as long as it stays frozen.
     """
-    paths = {id(m): name for name, m in root.named_modules()} if root is not None else {}
     count = 0
-    seen: set[int] = set()
-    trainable_paths: list[str] = []
-    for index, top in enumerate(modules):
-        for name, mod in top.named_modules():
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            own = list(mod.parameters(recurse=False))
-            path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
-            if any(p.requires_grad for p in own):
-                trainable_paths.append(path)
-            named = bool(matching(path, in_b))
-            for param in own:
-                if id(param) not in store._param_ids:
-                    store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
-            if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
-                # A module whose trainable parameters are all computed in B owns nothing W waits for.
-                _route_forward(mod, store, owner=any(p.requires_grad and not store.grad_in_b(p) for p in own))
-            count += bool(own)
-    for pattern in unmatched(trainable_paths, in_b) if note is not None else ():
-        note(f"{FIELD}: pattern {pattern!r} matches no module holding a trainable parameter on this rank")
+    for top, mod, path in module_paths(modules, root=root):
+        own = list(mod.parameters(recurse=False))
+        named = bool(matching(path, in_b))
+        for param in own:
+            if id(param) not in store._param_ids:
+                store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
+        if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
+            # A module whose trainable parameters are all computed in B owns nothing W waits for.
+            _route_forward(mod, store, owner=any(p.requires_grad and not store.grad_in_b(p) for p in own))
+        count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
         root.activation_checkpoint_func = _routed_checkpoint(root.activation_checkpoint_func, store)
     return count
