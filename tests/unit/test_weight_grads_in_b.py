@@ -131,3 +131,14 @@ def test_registry_flag_is_what_the_schedules_do(name: str) -> None:
     for stages, micro_batches in ((2, 4), (4, 8), (4, 12)):
         assert generate(name, stages, micro_batches).uses_split_backward == get_info(name).split_backward, (name, stages)
     assert (name in split_backward_names()) == get_info(name).split_backward
+
+
+@pytest.mark.parametrize("in_b, owners", [((), 7), (ATTN, 3), (("*",), 0)])
+def test_modules_all_in_b_own_nothing(stages: dict[str, Stage], in_b: tuple[str, ...], owners: int) -> None:
+    # A module whose parameters are all computed in B is no owner: the steady-state forward does not route it.
+    stage = stages["decoder block"]
+    model, store, entered = copy.deepcopy(stage.module), WeightGradStore(), []
+    enable_split_backward([model], store, root=model, in_b=in_b)
+    store.enter_module = lambda delta: entered.append(delta)  # type: ignore[method-assign]
+    _run_split(model, stage, store, 0)
+    assert entered.count(+1) == owners  # q, k, v, o and gate, up, down are the block's GEMM modules
