@@ -85,6 +85,47 @@ def test_attention_in_b_gradients_equal_fused(stages: dict[str, Stage]) -> None:
         assert got.grad is not None and torch.equal(got.grad, want.grad), name
 
 
+# ---- a custom autograd Function (split_graph's path) ---------------------------------------------
+class _Linear(torch.autograd.Function):
+    """Activation, weight and bias in one node, each gradient only where asked (as split_graph wants)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        return grad @ w if need[0] else None, grad.t() @ x if need[1] else None, grad.sum(0) if need[2] else None
+
+
+class _FnLinear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.bias)
+
+
+def test_custom_function_in_b_parks_nothing_for_it() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_FnLinear(8, 8), torch.nn.Tanh(), _FnLinear(8, 8))
+    reference, store = copy.deepcopy(model), WeightGradStore()
+    enable_split_backward([model], store, root=model, in_b=("0",))
+    x = torch.randn(5, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SplitBackwardWarning)
+        with store.forward_of("u"):
+            out = model(x)
+        with store.deferring("u"):
+            out.backward(torch.ones_like(out))
+    assert model[0].weight.grad is not None and model[2].weight.grad is None
+    assert store.parked_bytes == 2 * x.numel() * x.element_size()  # the second's input and output gradient only
+    store.run("u")
+    reference(x).backward(torch.ones_like(out))
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6, msg=name)
+
+
 # ---- a pattern matching nothing ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[None]:
