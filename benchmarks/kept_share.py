@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 from fnmatch import fnmatchcase
 import sys
 from collections.abc import Callable, Sequence
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             m = measure(size=size, attn=attn, seq_len=args.seq_len or DEFAULT_SEQ[size], in_b=args.in_b)
             results.append(m)
             print(f"\n{size}, {attn}, seq {m.seq_len}\n{table(m.rows)}")
-    command = "python benchmarks/kept_share.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/kept_share.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(render(results, command.strip()) + "\n")
     print(f"\nwrote {args.md}")
