@@ -18,11 +18,13 @@ weighted by each stage's measured bytes).
 
 ``--in-b PATTERN...`` (repeatable) runs every split-backward schedule again with
 ``pipeline.weight_grads_in_b`` set to those patterns (issue 19, item 2), and ``--md PATH`` writes the
-busiest rank's peak of every case against 1F1B's (same method and round) there::
+busiest rank's peak of every case against 1F1B's (same method and round) there; ``--w-memory X...``
+runs every split-backward case at each of these ``pipeline.w_memory`` (the share the schedule plans
+W to keep; the config's when absent)::
 
     python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_profile_memory.py \\
         --out benchmarks/results/raw/w_in_b_p4.jsonl --methods parameters --rounds 1 \\
-        --in-b '*self_attn*' --in-b '*self_attn*' '*.head' --md benchmarks/results/w_in_b.md
+        --in-b '*self_attn*' --in-b '*self_attn*' '*.head' --w-memory 0.5 0.77 0.48 --md benchmarks/results/w_in_b.md
 """
 
 from __future__ import annotations
@@ -79,17 +81,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--in-b", nargs="+", action="append", default=[], metavar="PATTERN",
                     help="also run each split-backward schedule with pipeline.weight_grads_in_b set to these patterns "
                          "(repeat for several variants)")
+    ap.add_argument("--w-memory", nargs="+", type=float, default=[], help="pipeline.w_memory values for split-backward cases")
     ap.add_argument("--md", type=Path, help="write the busiest-rank ratios to 1f1b here (rank 0, at the end)")
     return ap.parse_args(argv)
 
 
-def config_for(schedule: str, method: str, args: argparse.Namespace, *, in_b: list[str] | None = None) -> dict[str, Any]:
+def config_for(schedule: str, method: str, args: argparse.Namespace, *, in_b: list[str] | None = None,
+               w_memory: float | None = None) -> dict[str, Any]:
     config = json.loads((args.configs / f"{schedule}.json").read_text())
     pipeline = config.setdefault("pipeline", {})
     base, _, slack = method.partition("@")
     pipeline.update({"schedule": schedule, "partition_method": base, "measure_memory": True, "p2p_timeout_s": 120})
     if in_b:
         pipeline["weight_grads_in_b"] = in_b
+    if w_memory is not None:
+        pipeline["w_memory"] = w_memory
     if slack:
         pipeline["profile_time_slack"] = float(slack)
     if base == "profile":
@@ -133,8 +139,8 @@ class KeptShare:
 
 
 def run_case(schedule: str, method: str, args: argparse.Namespace, p: int, tokens: torch.Tensor, *,
-             in_b: list[str] | None = None) -> dict[str, Any]:
-    config = config_for(schedule, method, args, in_b=in_b)
+             in_b: list[str] | None = None, w_memory: float | None = None) -> dict[str, Any]:
+    config = config_for(schedule, method, args, in_b=in_b, w_memory=w_memory)
     torch.manual_seed(args.seed)
     module = build_module(args, 256, p)
     t0 = time.perf_counter()
@@ -179,7 +185,8 @@ def _busiest(record: dict[str, Any]) -> int:
 def _ratio_row(r: dict[str, Any], one: int | None) -> str:
     shares = [v for g in r["ranks"] for v in (g.get("kept_share") or {}).values()]
     peaks = ", ".join(str(round(g["steps"][-1]["peak_activation_bytes"] / 1024)) for g in r["ranks"])
-    cells = [r["method"], str(r["round"]), r["schedule"], ", ".join(f"`{x}`" for x in r["in_b"]) or "-",
+    w_memory = "-" if r["schedule"] == "1f1b" else r.get("w_memory") or "config's"
+    cells = [r["method"], str(r["round"]), r["schedule"], ", ".join(f"`{x}`" for x in r["in_b"]) or "-", str(w_memory),
              f"{_busiest(r) / 1024:.0f}", peaks, f"{_busiest(r) / one:.3f}" if one else "no 1f1b row",
              f"{statistics.median(shares):.3f}" if shares else "-"]
     return "| " + " | ".join(cells) + " |"
@@ -197,8 +204,8 @@ def ratio_table(records: list[dict[str, Any]], command: str) -> str:
              "that unit's forward bytes still held (`KeptShare`), median over the stages.", "",
              f"Command: `python -m torch.distributed.run --nproc_per_node {p} benchmarks/bench_profile_memory.py {command}`; "
              f"torch {torch.__version__}; gloo, CPU.", "",
-             "| method | round | schedule | weight_grads_in_b | busiest-rank peak (KiB) | peak per rank (KiB) "
-             "| ratio to 1f1b | B keeps for W (median over stages) |", "|---|--:|---|---|--:|---|--:|--:|"]
+             "| method | round | schedule | weight_grads_in_b | w_memory | busiest-rank peak (KiB) | peak per rank (KiB) "
+             "| ratio to 1f1b | B keeps for W (median over stages) |", "|---|--:|---|---|--:|--:|---|--:|--:|"]
     lines += [_ratio_row(r, base.get((r["method"], r["round"]))) for r in ok]
     errors = [f"* {r['schedule']} {r['in_b']}: {next(g['error'] for g in r['ranks'] if 'error' in g)[:300]}"
               for r in records if r not in ok]
@@ -214,15 +221,16 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _append(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
-    plan = [(rnd, method, schedule, in_b) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules
-            for in_b in ([], *args.in_b) if not in_b or get_info(schedule).split_backward]
+    plan = [(rnd, method, schedule, in_b, w) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules
+            for in_b in ([], *args.in_b) for w in (args.w_memory or [None])
+            if get_info(schedule).split_backward or (not in_b and w in (None, args.w_memory[0]))]
     records = []
-    for rnd, method, schedule, in_b in plan:
+    for rnd, method, schedule, in_b, w in plan:
         t0 = time.perf_counter()
-        gathered = run_everywhere(lambda: run_case(schedule, method, args, p, train_ids, in_b=in_b))
+        gathered = run_everywhere(lambda: run_case(schedule, method, args, p, train_ids, in_b=in_b, w_memory=w))
         if rank == 0:
             record = {"kind": "case", "schedule": schedule, "method": method, "round": rnd, "p": p, "wall_s": time.perf_counter() - t0,
-                      "in_b": in_b, "ranks": gathered}
+                      "in_b": in_b, "w_memory": w, "ranks": gathered}
             records.append(record)
             _append(args.out, record)
             errs = [g["error"] for g in gathered if "error" in g]
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                 peaks = [g["steps"][-1]["peak_activation_bytes"] for g in gathered]
                 status = (f"peak per rank KiB {[round(b / 1024) for b in peaks]}, cut {gathered[0]['stage_parts']}, "
                           f"step {statistics.median(s['step_s'] for s in gathered[0]['steps'][1:] or gathered[0]['steps']):.2f} s")
-            label = schedule + (" +in_b" if in_b else "")
+            label = schedule + (" +in_b" if in_b else "") + (f" w{w:g}" if w is not None and get_info(schedule).split_backward else "")
             print(f"[memory p={p} round {rnd}] {method:11s} {label:13s} {status}  ({record['wall_s']:.1f} s)", flush=True)
     if rank == 0 and args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)
