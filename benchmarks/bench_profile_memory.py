@@ -15,6 +15,16 @@ Per (method, schedule) it trains a few steps on the recipe's data and records ev
 profile the measured per-layer costs (``module.vs_profile``), from which it also predicts
 each rank's peak bytes for the cut (``schedules.auto.peak_bytes``: the simulator's count,
 weighted by each stage's measured bytes).
+
+``--in-b PATTERN...`` (repeatable) runs every split-backward schedule again with
+``pipeline.weight_grads_in_b`` set to those patterns (issue 19, item 2), and ``--md PATH`` writes the
+busiest rank's peak of every case against 1F1B's (same method and round) there; ``--w-memory X...``
+runs every split-backward case at each of these ``pipeline.w_memory`` (the share the schedule plans
+W to keep; the config's when absent)::
+
+    python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_profile_memory.py \\
+        --out benchmarks/results/raw/w_in_b_p4.jsonl --methods parameters --rounds 1 \\
+        --in-b '*self_attn*' --in-b '*self_attn*' '*.head' --w-memory 0.5 0.77 0.48 --md benchmarks/results/w_in_b.md
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -44,6 +55,7 @@ import ds_vshape  # noqa: E402
 from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.runtime.program import instructions as ins  # noqa: E402
+from ds_vshape.schedules import get_info  # noqa: E402
 from ds_vshape.schedules.auto import peak_bytes  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, batches, load_tokens, tokenizer_for  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
@@ -66,14 +78,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="llama")
     ap.add_argument("--attn-implementation", default="sdpa")
     ap.add_argument("--configs", type=Path, default=ROOT / "ds_configs", help="where <schedule>.json lives")
+    ap.add_argument("--in-b", nargs="+", action="append", default=[], metavar="PATTERN",
+                    help="also run each split-backward schedule with pipeline.weight_grads_in_b set to these patterns "
+                         "(repeat for several variants)")
+    ap.add_argument("--w-memory", nargs="+", type=float, default=[], help="pipeline.w_memory values for split-backward cases")
+    ap.add_argument("--md", type=Path, help="write the busiest-rank ratios to 1f1b here (rank 0, at the end)")
     return ap.parse_args(argv)
 
 
-def config_for(schedule: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
+def config_for(schedule: str, method: str, args: argparse.Namespace, *, in_b: list[str] | None = None,
+               w_memory: float | None = None) -> dict[str, Any]:
     config = json.loads((args.configs / f"{schedule}.json").read_text())
     pipeline = config.setdefault("pipeline", {})
     base, _, slack = method.partition("@")
     pipeline.update({"schedule": schedule, "partition_method": base, "measure_memory": True, "p2p_timeout_s": 120})
+    if in_b:
+        pipeline["weight_grads_in_b"] = in_b
+    if w_memory is not None:
+        pipeline["w_memory"] = w_memory
     if slack:
         pipeline["profile_time_slack"] = float(slack)
     if base == "profile":
@@ -116,8 +138,9 @@ class KeptShare:
         return {s: statistics.median(v) for s, v in sorted(self.kept.items()) if v}
 
 
-def run_case(schedule: str, method: str, args: argparse.Namespace, p: int, tokens: torch.Tensor) -> dict[str, Any]:
-    config = config_for(schedule, method, args)
+def run_case(schedule: str, method: str, args: argparse.Namespace, p: int, tokens: torch.Tensor, *,
+             in_b: list[str] | None = None, w_memory: float | None = None) -> dict[str, Any]:
+    config = config_for(schedule, method, args, in_b=in_b, w_memory=w_memory)
     torch.manual_seed(args.seed)
     module = build_module(args, 256, p)
     t0 = time.perf_counter()
@@ -155,6 +178,40 @@ def run_case(schedule: str, method: str, args: argparse.Namespace, p: int, token
     return out
 
 
+def _busiest(record: dict[str, Any]) -> int:
+    return max(g["steps"][-1]["peak_activation_bytes"] for g in record["ranks"])
+
+
+def _ratio_row(r: dict[str, Any], one: int | None) -> str:
+    shares = [v for g in r["ranks"] for v in (g.get("kept_share") or {}).values()]
+    peaks = ", ".join(str(round(g["steps"][-1]["peak_activation_bytes"] / 1024)) for g in r["ranks"])
+    w_memory = "-" if r["schedule"] == "1f1b" else r.get("w_memory") or "config's"
+    cells = [r["method"], str(r["round"]), r["schedule"], ", ".join(f"`{x}`" for x in r["in_b"]) or "-", str(w_memory),
+             f"{_busiest(r) / 1024:.0f}", peaks, f"{_busiest(r) / one:.3f}" if one else "no 1f1b row",
+             f"{statistics.median(shares):.3f}" if shares else "-"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def ratio_table(records: list[dict[str, Any]], command: str) -> str:
+    """Markdown: each case's busiest-rank peak (last step) against 1F1B's of the same method and round."""
+    ok = [r for r in records if not any("error" in g for g in r["ranks"])]
+    base = {(r["method"], r["round"]): _busiest(r) for r in ok if r["schedule"] == "1f1b"}
+    p = records[0]["p"] if records else "?"
+    lines = ["# Busiest-rank activation memory against 1F1B, with and without `pipeline.weight_grads_in_b`", "",
+             "The recipe's tiny Llama (`recipes/train_hf.py`'s `build_module`, `ds_configs/<schedule>.json`), "
+             "`pipeline.measure_memory` on; per case the largest `engine.peak_activation_bytes` over the ranks in the last "
+             "step, against 1F1B's of the same partition method and round. *B keeps for W*: after each B, the share of "
+             "that unit's forward bytes still held (`KeptShare`), median over the stages.", "",
+             f"Command: `python -m torch.distributed.run --nproc_per_node {p} benchmarks/bench_profile_memory.py {command}`; "
+             f"torch {torch.__version__}; gloo, CPU.", "",
+             "| method | round | schedule | weight_grads_in_b | w_memory | busiest-rank peak (KiB) | peak per rank (KiB) "
+             "| ratio to 1f1b | B keeps for W (median over stages) |", "|---|--:|---|---|--:|--:|---|--:|--:|"]
+    lines += [_ratio_row(r, base.get((r["method"], r["round"]))) for r in ok]
+    errors = [f"* {r['schedule']} {r['in_b']}: {next(g['error'] for g in r['ranks'] if 'error' in g)[:300]}"
+              for r in records if r not in ok]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -164,13 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _append(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
-    plan = [(rnd, method, schedule) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules]
-    for rnd, method, schedule in plan:
+    plan = [(rnd, method, schedule, in_b, w) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules
+            for in_b in ([], *args.in_b) for w in (args.w_memory or [None])
+            if get_info(schedule).split_backward or (not in_b and w in (None, args.w_memory[0]))]
+    records = []
+    for rnd, method, schedule, in_b, w in plan:
         t0 = time.perf_counter()
-        gathered = run_everywhere(lambda: run_case(schedule, method, args, p, train_ids))
+        gathered = run_everywhere(lambda: run_case(schedule, method, args, p, train_ids, in_b=in_b, w_memory=w))
         if rank == 0:
             record = {"kind": "case", "schedule": schedule, "method": method, "round": rnd, "p": p, "wall_s": time.perf_counter() - t0,
-                      "ranks": gathered}
+                      "in_b": in_b, "w_memory": w, "ranks": gathered}
+            records.append(record)
             _append(args.out, record)
             errs = [g["error"] for g in gathered if "error" in g]
             if errs:
@@ -179,7 +240,11 @@ def main(argv: list[str] | None = None) -> None:
                 peaks = [g["steps"][-1]["peak_activation_bytes"] for g in gathered]
                 status = (f"peak per rank KiB {[round(b / 1024) for b in peaks]}, cut {gathered[0]['stage_parts']}, "
                           f"step {statistics.median(s['step_s'] for s in gathered[0]['steps'][1:] or gathered[0]['steps']):.2f} s")
-            print(f"[memory p={p} round {rnd}] {method:11s} {schedule:7s} {status}  ({record['wall_s']:.1f} s)", flush=True)
+            label = schedule + (" +in_b" if in_b else "") + (f" w{w:g}" if w is not None and get_info(schedule).split_backward else "")
+            print(f"[memory p={p} round {rnd}] {method:11s} {label:13s} {status}  ({record['wall_s']:.1f} s)", flush=True)
+    if rank == 0 and args.md is not None:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(ratio_table(records, shlex.join(sys.argv[1:])) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,6 +4,7 @@
 
     python benchmarks/kept_share.py                                   # tiny Llama, sdpa
     python benchmarks/kept_share.py --size tiny compute --attn sdpa eager
+    python benchmarks/kept_share.py --in-b '*self_attn*' --md benchmarks/results/kept_share_in_b.md
 
 For the recipe's Llama (``recipes/train_hf.py``'s preset config and ``pipeline_layers``, micro-batches
 of 4 sequences as in ``ds_configs``) and each layer kind (embedding, one decoder block, head+loss),
@@ -17,6 +18,10 @@ single process, pure bytes (deterministic, no timing):
   forward): each distinct input once plus every output's gradient. W needs exactly these to
   compute the weight gradients, so no W that defers every weight gradient keeps less.
 
+``--in-b PATTERN...`` measures with ``pipeline.weight_grads_in_b`` (module paths inside the layer,
+as ``enable_split_backward(root=layer)`` names them: ``block.self_attn.q_proj``): those GEMMs'
+weight gradients are computed in B, so they leave the floor and the parked bytes.
+
 The second forward of the split layer is the one measured: the engine's steady state, where
 only the modules owning deferred parameters are routed.
 """
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shlex
+from fnmatch import fnmatchcase
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,13 +133,15 @@ def _backward(out: torch.Tensor) -> None:
     torch.autograd.backward(out, grad)
 
 
-def gemm_floor(stage: Stage, *, group: str | None = None) -> tuple[int, int]:
+def gemm_floor(stage: Stage, *, group: str | None = None, in_b: Sequence[str] = ()) -> tuple[int, int]:
     """(input bytes, output-gradient bytes) W needs for the layer's parameter GEMMs, from a plain forward.
 
     Every ``nn.Linear``/``nn.Embedding`` call with a trainable weight counts; an input several of them
     share (q, k and v read one tensor) counts once: bytes = tokens x in_features (the indices, for
     an embedding) and tokens x out_features per output, in the tensors' dtypes. ``group``: only the
     GEMMs of modules directly inside that module path (see ``gemm_groups``), as if W deferred those alone.
+    ``in_b``: GEMMs whose module path matches one of these patterns are left out (their weight
+    gradients are computed in B).
     """
     inputs: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     grads = 0
@@ -146,7 +155,8 @@ def gemm_floor(stage: Stage, *, group: str | None = None) -> tuple[int, int]:
 
     module = copy.deepcopy(stage.module)
     handles = [m.register_forward_hook(hook) for name, m in module.named_modules()
-               if isinstance(m, (nn.Linear, nn.Embedding)) and (group is None or name.rpartition(".")[0] == group)]
+               if isinstance(m, (nn.Linear, nn.Embedding)) and (group is None or name.rpartition(".")[0] == group)
+               and not any(fnmatchcase(name, p) for p in in_b)]
     try:
         _forward(stage, module)()
     finally:
@@ -166,14 +176,15 @@ def group_shares(stage: Stage, saved: int) -> dict[str, float]:
     return {g: sum(gemm_floor(stage, group=g)) / saved for g in gemm_groups(stage.module)}
 
 
-def measure_layer(stage: Stage) -> LayerKept:
-    """Saved, parked (by role) and floor bytes of one layer; the module itself is left untouched."""
+def measure_layer(stage: Stage, *, in_b: Sequence[str] = ()) -> LayerKept:
+    """Saved, parked (by role) and floor bytes of one layer; the module itself is left untouched.
+    ``in_b``: ``weight_grads_in_b`` patterns, matched against module paths inside the layer."""
     plain = copy.deepcopy(stage.module)
     out, saved_plain = saved_storages(_forward(stage, plain), _param_ptrs(plain))
     _backward(out)
     split = copy.deepcopy(stage.module)
     store = WeightGradStore()
-    enable_split_backward([split], store)
+    enable_split_backward([split], store, root=split, in_b=in_b)
     exclude = _param_ptrs(split)
     for key in (0, 1):  # key 0 routes the whole forward; key 1 only the owner modules (steady state)
         with store.forward_of(key, scope="layer"):
@@ -183,7 +194,7 @@ def measure_layer(stage: Stage) -> LayerKept:
         held = {t.untyped_storage().data_ptr(): t for t in store.held(key)}
         parked = store.parked_bytes
         store.run(key)
-    floor_inputs, floor_grads = gemm_floor(stage)
+    floor_inputs, floor_grads = gemm_floor(stage, in_b=in_b)
     shared = [t for ptr, t in held.items() if ptr in saved]
     fresh = [t for ptr, t in held.items() if ptr not in saved]
     return LayerKept(stage.kind, _nbytes(saved_plain.values()), _nbytes(saved.values()), parked,
@@ -264,13 +275,14 @@ class Measured:
     seq_len: int
     rows: list[LayerKept]
     groups: dict[str, float]
+    in_b: tuple[str, ...] = ()
 
 
-def measure(*, size: str, attn: str, seq_len: int) -> Measured:
+def measure(*, size: str, attn: str, seq_len: int, in_b: Sequence[str] = ()) -> Measured:
     stages = layer_stages(size=size, attn=attn, seq_len=seq_len)
-    rows = [measure_layer(stage) for stage in stages]
+    rows = [measure_layer(stage, in_b=in_b) for stage in stages]
     block = next(i for i, s in enumerate(stages) if s.kind == "decoder block")
-    return Measured(size, attn, seq_len, rows, group_shares(stages[block], rows[block].saved_plain))
+    return Measured(size, attn, seq_len, rows, group_shares(stages[block], rows[block].saved_plain), tuple(in_b))
 
 
 def render(results: list[Measured], command: str) -> str:
@@ -281,7 +293,8 @@ def render(results: list[Measured], command: str) -> str:
              f"micro-batches of {MICRO_BATCH} sequences. Bytes are unique storages (parameters excluded); "
              "the floor comes from the layer's parameter GEMMs alone (each distinct input once, every output's gradient)."), ""]
     for m in results:
-        parts += [f"## Llama `--size {m.size}`, attention `{m.attn}`, sequences of {m.seq_len}", "", table(m.rows), "",
+        in_b = f", weight gradients of `{'`, `'.join(m.in_b)}` in B" if m.in_b else ""
+        parts += [f"## Llama `--size {m.size}`, attention `{m.attn}`, sequences of {m.seq_len}{in_b}", "", table(m.rows), "",
                   floor_paragraph(next(r for r in m.rows if r.kind == "decoder block"), m.groups), "",
                   ends_sentence(m.rows), ""]
     return "\n".join(parts)
@@ -292,15 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", nargs="+", choices=sorted(DEFAULT_SEQ), default=["tiny"], help="recipe model sizes to measure")
     ap.add_argument("--attn", nargs="+", choices=["sdpa", "eager"], default=["sdpa"], help="attention implementations")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: 64 for tiny, 128 for compute)")
+    ap.add_argument("--in-b", nargs="+", default=[], metavar="PATTERN",
+                    help="pipeline.weight_grads_in_b patterns (module paths inside a layer, e.g. '*self_attn*')")
     ap.add_argument("--md", type=Path, default=ROOT / "benchmarks" / "results" / "kept_share.md")
     args = ap.parse_args(argv)
     results = []
     for size in args.size:
         for attn in args.attn:
-            m = measure(size=size, attn=attn, seq_len=args.seq_len or DEFAULT_SEQ[size])
+            m = measure(size=size, attn=attn, seq_len=args.seq_len or DEFAULT_SEQ[size], in_b=args.in_b)
             results.append(m)
             print(f"\n{size}, {attn}, seq {m.seq_len}\n{table(m.rows)}")
-    command = "python benchmarks/kept_share.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/kept_share.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(render(results, command.strip()) + "\n")
     print(f"\nwrote {args.md}")

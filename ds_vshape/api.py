@@ -82,7 +82,8 @@ def initialize(
         schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
         p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
         speculate_after=vs.speculate_after, offload=vs.offload_share, seq_partition=vs.seq_partition,
-        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None, **auto,
+        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None,
+        weight_grads_in_b=vs.weight_grads_in_b, **auto,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

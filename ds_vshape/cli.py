@@ -308,6 +308,7 @@ def _list_cells(info: GeneratorInfo) -> list[str]:
         ("--seq-chunks", info.seq_chunks),
         ("--memory-limit", info.memory_limit),
         ("costs", info.uses_costs),
+        ("split backward", info.split_backward),
     ]
     options = ", ".join(flag for flag, on in flags if on) or "-"
     zero = ",".join(str(z) for z in info.zero_stages)

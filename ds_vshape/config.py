@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .schedules import Costs, Schedule, generate, get_info
+from .schedules import Costs, Schedule, generate, get_info, schedule_names, split_backward_names
 from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options, measuring_schedule
 from .tuning import ProfileSample
 
@@ -94,6 +94,17 @@ class PipelineConfig(BaseModel):
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
         "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
     )
+    weight_grads_in_b: tuple[str, ...] = Field(
+        (),
+        description="Split-backward schedules only (`ds-vshape list` shows 'split backward'): fnmatch patterns "
+        "(case-sensitive) for modules whose parameters get their weight gradients in B instead of W, as norm scales and "
+        "biases always do. A pattern is matched against the module's path in the pipeline model: the layer's index, then "
+        "the path inside the layer, e.g. '3.block.self_attn.q_proj' for a decoder block of ds_vshape.hf.pipeline_layers "
+        "('tied_modules.<key>...' for a tied layer); so [\"*self_attn*\"] computes attention's weight gradients in B. W "
+        "then keeps less from B (the recipe's Llama block: 0.48 of what its forward saves instead of 0.77; lower "
+        "w_memory to match) and B takes their time. A pattern that matches no module holding a trainable parameter in "
+        "the whole model is an error.",
+    )
 
     offload: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
         0.0,
@@ -159,6 +170,7 @@ class PipelineConfig(BaseModel):
             extra += ["partition_method"] if self.partition_method == "profile" else []  # stock DeepSpeed cannot profile
             extra += ["post_validation"] if self.post_validation else []
             extra += ["offload"] if self.offload else []
+            extra += ["weight_grads_in_b"] if self.weight_grads_in_b else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self
@@ -168,6 +180,7 @@ class PipelineConfig(BaseModel):
         if self.offload == "auto" and self.schedule != "auto":
             raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
                              "give a share from 0 to 1")
+        self._split_options_fit()
         info = get_info(self.first_schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
@@ -178,6 +191,21 @@ class PipelineConfig(BaseModel):
         if self.memory_limit is not None and not info.memory_limit and self.schedule != "auto":
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self
+
+    def _split_options_fit(self) -> None:
+        """Split-backward options need a schedule that splits backward (the registry's ``split_backward``)."""
+        if not self.weight_grads_in_b:
+            return
+        if self.schedule == "auto":  # auto may run any of these: one of them must split
+            family = self.auto_placement or "v"
+            names = self.auto_candidates or tuple(n for n in schedule_names() if get_info(n).placement == family)
+            what = f"none of auto's candidates ({', '.join(names)}) splits backward"
+        else:
+            names, what = (str(self.schedule),), f"{self.schedule!r} does not split backward"
+        if not any(get_info(n).split_backward for n in names):
+            raise ValueError(f"pipeline.weight_grads_in_b applies only to schedules with split backward "
+                             f"({', '.join(split_backward_names())}), and {what}; remove "
+                             "weight_grads_in_b or pick one of those schedules")
 
 
 def parse_pipeline_config(config: dict[str, Any]) -> PipelineConfig:

@@ -8,7 +8,7 @@ neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's outp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -30,7 +30,8 @@ from .measuring.memory import ActivationMeter
 from .offload.offloader import Offloader
 from .step_end.precision import scale_loss
 from .program.seq_chunks import SeqChunks
-from .split.split_backward import WeightGradStore, enable_split_backward
+from .split.setup import enable_for_stages
+from .split.split_backward import WeightGradStore
 from .step_end.step import OptimizerStepMixin
 from .zero.zero import whole_parameters
 from .zero.zero_engine import ZeroPipelineMixin
@@ -47,14 +48,15 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
                  measure_memory: bool = False, post_validation: bool = False, speculate_after: int | None = None,
                  offload: float = 0.0, seq_partition: str = "equal", seq_dims: dict[str, int] | None = None,
-                 **kwargs: Any) -> None:
+                 weight_grads_in_b: Sequence[str] = (), **kwargs: Any) -> None:
         """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
         ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
         ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
         information and check the global norm later, and after ``speculate_after`` steps
         that stood, start the next step before the check arrives (``runtime/step_end/post_validation.py``);
         ``offload``: the share of each rank's activation sent to host memory (``runtime/offload``);
-        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/program/seq_chunks.py``)."""
+        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/program/seq_chunks.py``);
+        ``weight_grads_in_b``: module-path patterns whose weight gradients split backward computes in B."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -67,9 +69,9 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self.schedule: Schedule = schedule
         self.num_model_stages = self.schedule.num_model_stages
         self._store = WeightGradStore()
+        self._in_b = tuple(weight_grads_in_b)
         if self.schedule.uses_split_backward:
-            enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
-                                  root=self.module)
+            self._enable_split_backward()
         self._meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
         # Saved-tensor hooks and transfer accounting cost host time: on only when asked (the
         # config, or this attribute) and on the steps that log memory.
@@ -87,6 +89,11 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id,
                                   parked=lambda: self._store.parked_bytes)
         self._reset_step_state()
+
+    def _enable_split_backward(self) -> None:
+        """Split backward on this rank's stages (a collective when patterns are given: every rank calls it)."""
+        enable_for_stages([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
+                          root=self.module, in_b=self._in_b, device=self.device, log=log.info)
 
     def _make_p2p(self, timeout_s: float) -> P2P:
         """Transfers on one 2-rank group per neighbour pair (``p2p_groups``), made on every rank."""

@@ -9,7 +9,7 @@ from .costs import Costs
 from .ir import Schedule
 from .validate import validate
 
-__all__ = ["GeneratorInfo", "register", "generate", "get_info", "schedule_names", "ScheduleNameError"]
+__all__ = ["GeneratorInfo", "register", "generate", "get_info", "schedule_names", "split_backward_names", "ScheduleNameError"]
 
 Generator = Callable[..., Schedule]
 MinMicroBatches = Callable[[int, int, int], int]
@@ -30,6 +30,9 @@ class GeneratorInfo:
     the one place that says so (config, CLI and ``generate`` all read it).
     ``default_seq_chunks``: the k used when none is asked for (1 unless the schedule's name
     promises chunks, as ``seq1f1b`` does).
+    ``split_backward``: the schedule splits backward into B and W passes (``Schedule.uses_split_backward``
+    for every p and m); the one place that says which schedules the split-backward options
+    (``pipeline.weight_grads_in_b``) apply to (config and ``ds-vshape list`` read it).
     ``placement``: the stage-to-rank layout the schedule runs on (``linear``, ``v`` or
     ``looped``); ``"schedule": "auto"`` chooses among the schedules of one placement, since the
     layers are already placed when it chooses.
@@ -42,6 +45,7 @@ class GeneratorInfo:
     fixed_chunks: int | None = 1
     seq_chunks: bool = False
     default_seq_chunks: int = 1
+    split_backward: bool = False
     memory_limit: bool = False
     uses_costs: bool = False
     placement: str = "linear"
@@ -131,6 +135,12 @@ def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
     if requested < 1:  # type: ignore[operator]
         raise ValueError(f"seq_chunks must be >= 1, got {requested}")
     return int(requested)  # type: ignore[arg-type]
+
+
+def split_backward_names() -> list[str]:
+    """The registered schedules that split backward (B now, W later)."""
+    _load_builtin()
+    return [n for n, i in _REGISTRY.items() if i.split_backward]
 
 
 def _with(flag: str) -> str:

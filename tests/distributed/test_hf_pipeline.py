@@ -16,7 +16,7 @@ SCHEDULES = ("1f1b", "v-half")
 
 
 def _cases() -> list[dict[str, Any]]:
-    return [{"name": f"{k}-{s}", "hf": k, "schedule": s, "p": 2, "m": 4} for k in MODELS for s in SCHEDULES] + _ckpt_cases()
+    return [{"name": f"{k}-{s}", "hf": k, "schedule": s, "p": 2, "m": 4} for k in MODELS for s in SCHEDULES] + _ckpt_cases() + _in_b_cases()
 
 
 def _ckpt_cases() -> list[dict[str, Any]]:
@@ -32,12 +32,22 @@ def _ckpt_cases() -> list[dict[str, Any]]:
              "pipeline": {"use_reentrant": False}}]
 
 
+def _in_b_cases() -> list[dict[str, Any]]:
+    """``pipeline.weight_grads_in_b``: attention's weight gradients computed in B, parameters compared too.
+    Last, a pattern that matches nothing on any rank: every rank must refuse it alike (none left waiting)."""
+    base = {"hf": "llama", "p": 2, "m": 4, "seq": True}
+    return [{"name": f"llama-in-b-{s}", **base, "schedule": s, "pipeline": {"weight_grads_in_b": ["*self_attn*"]}}
+            for s in ("v-half", "zb-h1")] + [
+        {"name": "llama-in-b-unmatched", **base, "schedule": "v-half",
+         "pipeline": {"weight_grads_in_b": ["*self_attn*", "*selfattn*"]}}]
+
+
 @pytest.fixture(scope="module")
 def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     return _by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _cases() if "ckpt" not in c])
+@pytest.mark.parametrize("case", [c["name"] for c in _cases() if "ckpt" not in c and "pipeline" not in c])
 def test_hf_pipeline_matches_model_loss(hf_results: dict, case: str) -> None:
     _assert_parity(case, hf_results[case])
 
@@ -48,3 +58,17 @@ def test_checkpointed_embedding_gets_its_gradient(hf_results: dict, case: str) -
     _assert_parity(case, ranks)
     assert all(res["params_compared"] > 0 for res in ranks), case
     assert any(res["embedding_checked"] for res in ranks), f"{case}: no rank compared the embedding"
+
+
+@pytest.mark.parametrize("case", ["llama-in-b-v-half", "llama-in-b-zb-h1"])
+def test_attention_weight_grads_in_b_train_exactly(hf_results: dict, case: str) -> None:
+    ranks = hf_results[case]
+    _assert_parity(case, ranks)
+    assert all(res["params_compared"] > 0 for res in ranks), case
+    # Every rank holds decoder blocks here: each computes its attention's GEMM weight gradients in B.
+    assert all(res["in_b_matrices"] > 0 for res in ranks), [res["in_b_matrices"] for res in ranks]
+
+
+def test_unmatched_in_b_pattern_is_refused_on_every_rank(hf_results: dict) -> None:
+    for rank, res in enumerate(hf_results["llama-in-b-unmatched"]):
+        assert "pipeline.weight_grads_in_b: pattern '*selfattn*' matches no module" in res.get("error", ""), (rank, res)

@@ -317,7 +317,8 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
               "offloaded_units": engine._offload.offloaded_units, "seq_cuts": [list(c) for c in engine._seq._cuts.values()],
               "w_offloaded_units": engine._offload.w_offloaded_units, "w_planned": len(engine._offload._w_units),
               "peak_breakdown": dict(engine._meter.peak_breakdown),
-              "embedding_checked": any(theirs is ref.get_input_embeddings().weight for _, _, theirs in twins)}
+              "embedding_checked": any(theirs is ref.get_input_embeddings().weight for _, _, theirs in twins),
+              "in_b_matrices": sum(p.dim() > 1 and id(p) in engine._store._in_b for p in engine.module.parameters())}
     choice = getattr(engine, "auto_choice", None)
     if choice is not None:
         result["auto"] = {"name": choice.name, "offload": choice.offload, "table": choice.summary()}

@@ -27,7 +27,6 @@ from deepspeed.utils import logger as log
 from ...schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
 from ..program import instructions as ins
 from ..engine import VShapeEngine
-from ..split.split_backward import enable_split_backward
 
 __all__ = ["AutoEngine"]
 
@@ -185,8 +184,7 @@ class AutoEngine(VShapeEngine):
         schedule = make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=self.micro_batches)
         self._check_schedule(schedule)
         if schedule.uses_split_backward and not self.schedule.uses_split_backward:
-            enable_split_backward([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
-                                  root=self.module)
+            self._enable_split_backward()  # with the engine's weight_grads_in_b
         self.schedule = schedule
         self._train_ir = self._ir(schedule)
         self._offload.set_share(choice.offload)

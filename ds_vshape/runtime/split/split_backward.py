@@ -19,8 +19,11 @@ only the calls inside modules owning deferred parameters are routed, unless that
 found such a parameter consumed elsewhere (a tied head, say): then the stage stays routed
 whole (``forward_of``'s scope).
 
-Cheap weight gradients are B's by design (``cheap_in_b``, on by default): parameters with at
-most one dimension (norm scales, biases) get theirs in B, park nothing and never warn.
+Some weight gradients are B's by design: cheap ones (``cheap_in_b``, on by default: parameters
+with at most one dimension, norm scales and biases) and those of the parameters whose module
+path matches one of ``enable_split_backward``'s ``in_b`` patterns (``pipeline.weight_grads_in_b``:
+W then keeps less, B takes their time). They park nothing and never warn; a tensor computed
+from such parameters only is computed in B too (``grad_in_b``).
 
 W accumulates through ``torch.autograd.backward`` on the parameter, so DeepSpeed's
 post-accumulate hooks and the bf16 optimizer see the gradient as if autograd had produced it.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import wraps
 from typing import Any, Callable, Iterator
@@ -42,6 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from .in_b import matching, module_paths
 from .split_graph import inspect_outputs
 from .split_mode import DeferMode, RoutedCall, routing
 from .split_ops import ParkedWork, accumulate
@@ -64,7 +68,8 @@ class WeightGradStore:
     """Parked weight-gradient work, keyed by unit (stage, micro-batch, chunk).
 
     ``cheap_in_b``: parameters with at most one dimension (norm scales, biases) get their
-    gradients in B by design; off, they wait for W like every other parameter.
+    gradients in B by design; off, they wait for W like every other parameter (unless adopted
+    with ``in_b``).
     """
 
     def __init__(self, *, cheap_in_b: bool = True) -> None:
@@ -75,6 +80,7 @@ class WeightGradStore:
         self._parked: dict[Hashable, list[ParkedWork]] = defaultdict(list)
         self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
         self._param_ids: set[int] = set()
+        self._in_b: set[int] = set()  # adopted parameters whose gradients B computes (cheap, or named by in_b)
         self._param_ptrs: set[int] = set()  # parameter storages: never counted as parked
         self._owner: dict[int, str] = {}  # parameter id -> its module, for warnings
         self._warned: set[str] = set()
@@ -169,16 +175,15 @@ class WeightGradStore:
     def is_param_like(self, t: torch.Tensor) -> bool:
         return t.requires_grad and (id(t) in self._param_ids or self._mark(t) is not None)
 
-    def is_cheap(self, t: torch.Tensor) -> bool:
-        """A parameter-like tensor whose gradient B computes by design (at most one dimension)."""
-        if not self.cheap_in_b:
-            return False
-        return t.dim() <= 1 if id(t) in self._param_ids else bool(self._mark(t))
+    def grad_in_b(self, t: torch.Tensor) -> bool:
+        """A parameter-like tensor whose gradient B computes by design: a parameter adopted as such
+        (cheap, or ``in_b``), or a tensor computed from such parameters only."""
+        return id(t) in self._in_b if id(t) in self._param_ids else bool(self._mark(t))
 
-    def mark_param_like(self, out: Any, *, cheap: bool) -> None:
+    def mark_param_like(self, out: Any, *, in_b: bool) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                setattr(t, _DERIVED, (self._token, cheap))
+                setattr(t, _DERIVED, (self._token, in_b))
 
     def _mark(self, t: torch.Tensor) -> bool | None:
         """Whether B computes the gradient of ``t``, computed from this store's parameters (None: not such a tensor)."""
@@ -246,12 +251,14 @@ class WeightGradStore:
         self.parked_bytes = 0
 
     # ---- setup --------------------------------------------------------------------------------------
-    def adopt(self, param: nn.Parameter, owner: str) -> None:
-        """Route ``param``'s gradient through W (or B, when cheap); ``owner`` names its module in warnings."""
+    def adopt(self, param: nn.Parameter, owner: str, *, in_b: bool = False) -> None:
+        """Route ``param``'s gradient through W, or B when ``in_b`` or cheap; ``owner`` names its module in warnings."""
         self._param_ids.add(id(param))
         self._param_ptrs.add(param.untyped_storage().data_ptr())
         self._owner[id(param)] = owner
-        if param.requires_grad and not self.is_cheap(param):  # a frozen one parks nothing and cannot take the hook
+        if in_b or (self.cheap_in_b and param.dim() <= 1):
+            self._in_b.add(id(param))
+        if param.requires_grad and not self.grad_in_b(param):  # a frozen one parks nothing and cannot take the hook
             # Autograd calls it with None where B returned None for the parameter: only a real one counts.
             param.register_hook(lambda grad: None if grad is None else self._accumulated_in_b(owner))
 
@@ -283,28 +290,26 @@ def _accumulate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         batch.clear()
 
 
-def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None) -> int:
+def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None,
+                          in_b: Sequence[str] = ()) -> int:
     """Defer to W the gradient of every trainable parameter inside ``modules``; returns how many
     modules own such parameters. ``root`` (the whole model) names modules by their path in it.
 
-    A parameter frozen now (``requires_grad=False``) parks nothing as long as it stays frozen.
+    ``in_b``: ``fnmatch`` patterns (``split.in_b``); a parameter whose module path matches one gets
+    its gradient in B, like a cheap one. A parameter frozen now (``requires_grad=False``) parks
+    nothing as long as it stays frozen.
     """
-    paths = {id(m): name for name, m in root.named_modules()} if root is not None else {}
     count = 0
-    seen: set[int] = set()
-    for index, top in enumerate(modules):
-        for name, mod in top.named_modules():
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            own = list(mod.parameters(recurse=False))
-            if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
-                _route_forward(mod, store, owner=any(p.requires_grad and not (store.cheap_in_b and p.dim() <= 1) for p in own))
-            path = paths.get(id(mod)) or (f"{index}.{name}" if name else str(index))
-            for param in own:
-                if id(param) not in store._param_ids:
-                    store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})")
-            count += bool(own)
+    for top, mod, path in module_paths(modules, root=root):
+        own = list(mod.parameters(recurse=False))
+        named = bool(matching(path, in_b))
+        for param in own:
+            if id(param) not in store._param_ids:
+                store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
+        if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
+            # A module whose trainable parameters are all computed in B owns nothing W waits for.
+            _route_forward(mod, store, owner=any(p.requires_grad and not store.grad_in_b(p) for p in own))
+        count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
         root.activation_checkpoint_func = _routed_checkpoint(root.activation_checkpoint_func, store)
     return count

@@ -45,9 +45,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .split_ops import OpStore, accumulate
 
-__all__ = ["ACT", "CHEAP", "PARAM", "GraphStore", "derived_kind", "inspect_outputs"]
+__all__ = ["ACT", "IN_B", "PARAM", "GraphStore", "derived_kind", "inspect_outputs"]
 
-ACT, PARAM, CHEAP = "activation", "parameter", "cheap parameter"
+# IN_B: a parameter whose gradient B computes by design (the store's ``grad_in_b``: cheap, or named in
+# weight_grads_in_b), or a tensor computed from such parameters only.
+ACT, PARAM, IN_B = "activation", "parameter", "parameter computed in B"
 _ATTR = "_ds_vshape_split"
 _MAX_CHAIN = 4  # a parameter reaches a node through at most this many parameter-only nodes (w.t().to(bf16))
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
@@ -61,7 +63,7 @@ class GraphStore(OpStore, Protocol):
 
     def trainable_param(self, node: Node) -> torch.Tensor | None: ...
 
-    def is_cheap(self, t: torch.Tensor) -> bool: ...
+    def grad_in_b(self, t: torch.Tensor) -> bool: ...
 
     def kept_whole(self, name: str, params: list[torch.Tensor]) -> None: ...
 
@@ -78,7 +80,7 @@ class _Info:
     kind: str  # "plain", "derived" or "split"
     store: GraphStore | None = None
     key: Hashable = None
-    cheap: bool = False  # derived: only cheap parameters behind it (B computes their gradients)
+    in_b: bool = False  # derived: only parameters computed in B behind it
     deferred: tuple[int, ...] = ()  # split: forward-argument positions whose gradient W computes
     edges: tuple[tuple[Node, int], ...] = ()  # split: their gradient edges
     stash: _Replay | None = None  # derived: what its backward needs, kept from B to W
@@ -103,12 +105,12 @@ class _Replay:
 
 # ---- finding and sorting the nodes -----------------------------------------------------------
 def derived_kind(store: GraphStore, t: torch.Tensor) -> str | None:
-    """PARAM or CHEAP when ``t`` comes out of a custom Function fed by parameters only, else None."""
+    """PARAM or IN_B when ``t`` comes out of a custom Function fed by parameters only, else None."""
     fn = t.grad_fn
     if not _is_custom(fn):
         return None
     info = _classify(store, fn)
-    return (CHEAP if info.cheap else PARAM) if info.kind == "derived" else None
+    return (IN_B if info.in_b else PARAM) if info.kind == "derived" else None
 
 
 def inspect_outputs(store: GraphStore, out: Any) -> None:
@@ -168,24 +170,24 @@ def _decide(store: GraphStore, fn: BackwardCFunction, positions: list[int], live
         if deferred:
             fn.materialize_grads = False  # B must see None where W will bring the gradient
             _take_over(fn)
-        return _Info("derived", store, store.current, cheap=not deferred)
+        return _Info("derived", store, store.current, in_b=not deferred)
     if not deferred:
-        return _PLAIN  # activations and cheap parameters: autograd does it all in B, by design
+        return _PLAIN  # activations and parameters computed in B: autograd does it all in B, by design
     _take_over(fn)
     return _Info("split", store, store.current, deferred=tuple(positions[j] for j in deferred),
                  edges=tuple(live[j] for j in deferred))
 
 
 def _edge_kind(store: GraphStore, node: Node, depth: int) -> str:
-    """ACT, PARAM or CHEAP: what reaches ``node``'s inputs (a parameter only through short chains)."""
+    """ACT, PARAM or IN_B: what reaches ``node``'s inputs (a parameter only through short chains)."""
     param = store.trainable_param(node)
     if param is not None:
-        return CHEAP if store.is_cheap(param) else PARAM
+        return IN_B if store.grad_in_b(param) else PARAM
     if isinstance(node, torch._C._functions.AccumulateGrad):
         return ACT  # a leaf that is not a deferred parameter: a stage input, say
     if _is_custom(node):
         info = _classify(store, node)
-        return (CHEAP if info.cheap else PARAM) if info.kind == "derived" else ACT
+        return (IN_B if info.in_b else PARAM) if info.kind == "derived" else ACT
     if depth >= _MAX_CHAIN or _is_internal(node):
         # ds_vshape's own nodes exist only where the routing saw a parameter meet something else:
         # their output is an activation, and B frees them (W must never backward through them).
@@ -198,7 +200,7 @@ def _edge_kind(store: GraphStore, node: Node, depth: int) -> str:
     kinds = [_edge_kind(store, n, depth + 1) for n, _ in edges]
     if not kinds or ACT in kinds:
         return ACT
-    return CHEAP if all(k == CHEAP for k in kinds) else PARAM
+    return IN_B if all(k == IN_B for k in kinds) else PARAM
 
 
 _SUBCLASSES: dict[type, type] = {}

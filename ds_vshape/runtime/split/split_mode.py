@@ -11,8 +11,8 @@ a ``TorchFunctionMode`` sees each torch call and sorts its tensor arguments:
 A call with only parameter-like tensors runs as is and its outputs become parameter-like, so
 a head computing ``x @ embedding.weight.t()`` defers the embedding's gradient like a linear
 layer. A call mixing both is where B and W part: GEMMs take the fast path, anything else the
-generic one (``split_ops``); a call whose parameter-like tensors are all cheap (at most one
-dimension: norm scales, biases) runs as is, its parameters' gradients are B's by design.
+generic one (``split_ops``); a call whose parameter-like tensors are all computed in B (cheap: at most
+one dimension, norm scales and biases; or named in ``pipeline.weight_grads_in_b``) runs as is.
 Calls without parameters, and in-place calls (their result must stay the tensor they
 modify), run untouched; a parameter reached that way gets its gradient in B, which
 ``split_backward`` reports. Custom Functions the routing cannot enter are found here too:
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .split_graph import CHEAP, GraphStore, derived_kind, inspect_outputs
+from .split_graph import IN_B, GraphStore, derived_kind, inspect_outputs
 from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
 
 __all__ = ["DeferMode", "RoutedCall", "RoutingStore", "routing"]
@@ -58,7 +58,7 @@ class RoutingStore(GraphStore, Protocol):
 
     def is_param_like(self, t: torch.Tensor) -> bool: ...
 
-    def mark_param_like(self, out: Any, *, cheap: bool) -> None: ...
+    def mark_param_like(self, out: Any, *, in_b: bool) -> None: ...
 
 
 class DeferMode(TorchFunctionMode):
@@ -92,16 +92,16 @@ class DeferMode(TorchFunctionMode):
         pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in pos]
         is_param = [store.is_param_like(t) for t in tensors]
-        cheap = [p and store.is_cheap(t) for t, p in zip(tensors, is_param)]
-        if not store.in_module and cheap != is_param:
+        in_b = [p and store.grad_in_b(t) for t, p in zip(tensors, is_param)]
+        if not store.in_module and in_b != is_param:
             store.used_outside()  # a deferred parameter consumed outside the modules owning one
         if all(is_param):
             out = func(*args, **kwargs)
-            store.mark_param_like(out, cheap=all(cheap))
+            store.mark_param_like(out, in_b=all(in_b))
             return out
-        if _mutates(func, kwargs) or cheap == is_param:  # in place, or only cheap parameters: B's, by design
+        if _mutates(func, kwargs) or in_b == is_param:  # in place, or only parameters computed in B: B's, by design
             return func(*args, **kwargs)
-        call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, cheap, store,
+        call = OpCall(func, spec, [None if isinstance(v, torch.Tensor) else v for v in flat], pos, is_param, in_b, store,
                       store.current, autocast=_autocast_state(tensors))
         return deferred_op(call, tensors)
 
@@ -157,7 +157,7 @@ def _param_like(store: RoutingStore, t: torch.Tensor) -> bool:
     kind = derived_kind(store, t)  # also sorts a custom Function that mixes parameters and activations
     if kind is None:
         return False
-    store.mark_param_like(t, cheap=kind == CHEAP)
+    store.mark_param_like(t, in_b=kind == IN_B)
     return True
 
 
@@ -187,11 +187,11 @@ def _fast_matmul(store: RoutingStore, func: Callable[..., Any], args: tuple[Any,
         return None
     if b is not None and not (isinstance(b, torch.Tensor) and b.dim() == 1):
         return None
-    if not store.is_param_like(w) or store.is_cheap(w) or (b is not None and b.requires_grad and not store.is_param_like(b)):
+    if not store.is_param_like(w) or store.grad_in_b(w) or (b is not None and b.requires_grad and not store.is_param_like(b)):
         # An activation as the weight (attention scores @ V) is not a parameter's GEMM; a weight computed
-        # from cheap parameters only gets its gradient in B (the caller runs the call as is).
+        # from parameters computed in B only gets its gradient in B (the caller runs the call as is).
         return None
-    return split_matmul(MatmulCall(kind, store, store.current, bias_in_b=b is None or store.is_cheap(b)), x, w, b)
+    return split_matmul(MatmulCall(kind, store, store.current, bias_in_b=b is None or store.grad_in_b(b)), x, w, b)
 
 
 def _autocast_state(tensors: list[torch.Tensor]) -> tuple[str, bool, torch.dtype] | None:

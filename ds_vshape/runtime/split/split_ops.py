@@ -169,7 +169,7 @@ class OpCall:
     flat: list[Any]
     tensor_pos: list[int]
     is_param: list[bool]  # per tensor: a trainable parameter or a tensor computed from them only
-    in_b: list[bool]  # per tensor: a parameter whose gradient B computes by design (norm scale, bias)
+    in_b: list[bool]  # per tensor: a parameter whose gradient B computes by design (norm scale, bias, weight_grads_in_b)
     store: OpStore
     key: Hashable
     autocast: tuple[str, bool, torch.dtype] | None = None

@@ -95,7 +95,7 @@ def _any_m(p: int, v: int, k: int) -> int:
 
 
 @register(
-    "v-zb", aliases=("zb-v",), fixed_chunks=2, placement="v", min_micro_batches=_any_m, seq_chunks=True,
+    "v-zb", aliases=("zb-v",), fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "zero bubble at peak memory p",
 )
 def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -103,7 +103,7 @@ def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None =
 
 
 @register(
-    "v-half", fixed_chunks=2, placement="v", min_micro_batches=_any_m, seq_chunks=True,
+    "v-half", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "about half of 1F1B's bubble and memory",
 )
 def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -111,7 +111,7 @@ def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None
 
 
 @register(
-    "v-min", fixed_chunks=2, placement="v", min_micro_batches=_any_m, seq_chunks=True,
+    "v-min", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble",
 )
 def v_min(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -185,7 +185,7 @@ class _Candidate:
 
 
 @register(
-    "v-adaptive", fixed_chunks=2, placement="v", memory_limit=True, min_micro_batches=_any_m,
+    "v-adaptive", fixed_chunks=2, placement="v", split_backward=True, memory_limit=True, min_micro_batches=_any_m,
     summary=_SUMMARY + "lowest-bubble block within memory_limit (in M_B, default p)",
 )
 def v_adaptive(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:

@@ -44,7 +44,7 @@ _EPS = 1e-9
 
 # ---- hand-crafted ZB-H1 / ZB-H2 -----------------------------------------------------------
 @register(
-    "zb-h1", aliases=("zb1p",), seq_chunks=True, summary="zero bubble H1: 1F1B memory (p), W delayed into the bubbles"
+    "zb-h1", aliases=("zb1p",), seq_chunks=True, split_backward=True, summary="zero bubble H1: 1F1B memory (p), W delayed into the bubbles"
 )
 def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     # Rank r runs p-r forwards before its first B (1F1B's warm-up plus the F of the first
@@ -55,6 +55,7 @@ def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None 
 
 @register(
     "zb-h2",
+    split_backward=True,
     aliases=("zb2p",),
     summary="zero bubble H2: peak 2p-1, no idle inside a rank's span with unit costs",
     min_micro_batches=lambda p, v, k: 2 * p - 1,
@@ -120,6 +121,7 @@ def _delayed_w_order(r: int, m: int, *, warmup: int, w_delay: int) -> tuple[Acti
 # ---- zb-auto: greedy heuristic over a grid of policies -----------------------------------
 @register(
     "zb-auto",
+    split_backward=True,
     summary="zero bubble, greedy search over policies for the given costs and memory limit (default p)",
     uses_costs=True,
     memory_limit=True,
