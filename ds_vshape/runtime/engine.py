@@ -24,7 +24,8 @@ from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
-from .transfers.comm import ACT, GRAD, P2P, Recv
+from .transfers.comm import P2P
+from .transfers.handlers import TransferHandlersMixin
 from .transfers.p2p_groups import neighbour_pairs, pair_groups
 from .measuring.memory import ActivationMeter
 from .offload.offloader import Offloader
@@ -42,7 +43,7 @@ log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 Unit = tuple[int, int, int]
 
 
-class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
+class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
@@ -251,44 +252,6 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
         self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
         return loss
 
-    def _exec_post(self, direction: int, stage: int, micro_batch: int, seq_chunk: int, peer: int, header: bool,
-                   with_next: bool) -> None:
-        self._p2p.post(Recv(direction, stage, micro_batch, seq_chunk, peer, header), with_next=with_next)
-        self._count_inflight()
-
-    def _exec_post_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool,
-                       with_next: bool) -> None:
-        self._exec_post(ACT, stage, micro_batch, seq_chunk, peer, header, with_next)
-
-    def _exec_post_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool,
-                        with_next: bool) -> None:
-        self._exec_post(GRAD, stage, micro_batch, seq_chunk, peer, header, with_next)
-
-    def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        tensors = _tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
-        self._p2p.send(ACT, tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
-        self._count_inflight()
-
-    def _exec_recv_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        got = self._p2p.recv(Recv(ACT, stage, micro_batch, seq_chunk, peer, header))
-        self._act_in[(stage, micro_batch, seq_chunk)] = got[0] if len(got) == 1 else got
-        self._count_inflight()
-
-    def _exec_send_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        grads = self._grad_in.pop((stage, micro_batch, seq_chunk))
-        self._p2p.send(GRAD, grads, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
-        self._count_inflight()
-
-    def _exec_recv_grad(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        self._grad_in[(stage, micro_batch, seq_chunk)] = self._p2p.recv(Recv(GRAD, stage, micro_batch, seq_chunk, peer, header))
-        self._count_inflight()
-
-    def _count_inflight(self) -> None:
-        # Transfer buffers are counted beside the activations (peak_memory_bytes); only while
-        # measuring, since it walks every buffer in flight.
-        if self._measuring:
-            self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
-
     def _exec_backward_input(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         unit = (stage, micro_batch, seq_chunk)
         self._offload.before_pass(Kind.B, unit)
@@ -357,16 +320,16 @@ class VShapeEngine(OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ins.LoadMicroBatch: _exec_load,
-        ins.PostRecvActivation: _exec_post_act,
-        ins.PostRecvGrad: _exec_post_grad,
-        ins.RecvActivation: _exec_recv_act,
+        ins.PostRecvActivation: TransferHandlersMixin._exec_post_act,
+        ins.PostRecvGrad: TransferHandlersMixin._exec_post_grad,
+        ins.RecvActivation: TransferHandlersMixin._exec_recv_act,
         ins.ForwardPass: _exec_forward,
-        ins.SendActivation: _exec_send_act,
-        ins.RecvGrad: _exec_recv_grad,
+        ins.SendActivation: TransferHandlersMixin._exec_send_act,
+        ins.RecvGrad: TransferHandlersMixin._exec_recv_grad,
         ins.BackwardInput: _exec_backward_input,
         ins.BackwardWeight: _exec_backward_weight,
         ins.FusedBackward: _exec_fused_backward,
-        ins.SendGrad: _exec_send_grad,
+        ins.SendGrad: TransferHandlersMixin._exec_send_grad,
         **ZeroPipelineMixin.INSTRUCTIONS,
     }
 
