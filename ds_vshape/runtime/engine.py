@@ -25,7 +25,7 @@ from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
 from .transfers.comm import P2P
-from .transfers.handlers import TransferHandlersMixin
+from .transfers.handlers import TransferHandlersMixin, stage_tensors
 from .transfers.p2p_groups import neighbour_pairs, pair_groups
 from .measuring.memory import ActivationMeter
 from .offload.offloader import Offloader
@@ -224,10 +224,10 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         split = self._store.forward_of(unit, scope=stage) if unit in self._split else nullcontext()
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
         self._offload.before_pass(Kind.F, unit)
-        with self._offload.forward(unit, _tensors(inputs), measure=self._measuring), split, chunk:
+        with self._offload.forward(unit, stage_tensors(inputs), measure=self._measuring), split, chunk:
             outputs = self.module.forward_stage(stage, inputs)
         # What lives on anyway stays on the device: the stage's inputs and outputs, later chunks' K/V.
-        self._offload.after_forward(unit, (*_tensors(inputs), *_tensors(outputs), *self._seq.kept_tensors()))
+        self._offload.after_forward(unit, (*stage_tensors(inputs), *stage_tensors(outputs), *self._seq.kept_tensors()))
         if not self.module.training:
             # DeepSpeed's contiguous activation checkpointing fills a fixed pool per forward and
             # frees it in backward; evaluation has none, so reset it after each pass, as
@@ -280,7 +280,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
             tensors, grads = [scale_loss(self, self._scale_loss_by_gas(outputs))], [None]
         else:
             got = self._grad_in.pop((stage, micro_batch, seq_chunk))
-            floats = [t for t in _tensors(outputs) if t.is_floating_point()]
+            floats = [t for t in stage_tensors(outputs) if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floats, got) if t.requires_grad]
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
         kv_tensors, kv_grads = self._seq.backward_roots(stage, micro_batch, seq_chunk)  # later chunks' K/V gradients
@@ -289,7 +289,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self._seq.release(stage, micro_batch, seq_chunk)
         if stage > 0:
             self._grad_in[(stage - 1, micro_batch, seq_chunk)] = tuple(
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in _tensors(inputs) if t.is_floating_point()
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in stage_tensors(inputs) if t.is_floating_point()
             )
         self._after_grads()
 
@@ -341,10 +341,6 @@ def _forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
         for r in range(schedule.stages)
     )
     return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)
-
-
-def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _detached(x: Any) -> Any:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .comm import ACT, GRAD, Recv
 
-__all__ = ["TransferHandlersMixin"]
+__all__ = ["TransferHandlersMixin", "stage_tensors"]
 
 
 class TransferHandlersMixin:
@@ -38,7 +40,7 @@ class TransferHandlersMixin:
         self._exec_post(GRAD, stage, micro_batch, seq_chunk, peer, header, with_next)
 
     def _exec_send_act(self, stage: int, micro_batch: int, seq_chunk: int, peer: int, buffer_id: Any, header: bool) -> None:
-        tensors = _tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
+        tensors = stage_tensors(self._act_in.pop((stage, micro_batch, seq_chunk)))
         self._p2p.send(ACT, tensors, stage=stage, micro_batch=micro_batch, seq_chunk=seq_chunk, peer=peer, header=header)
         self._count_inflight()
 
@@ -61,3 +63,9 @@ class TransferHandlersMixin:
         # measuring, since it walks every buffer in flight.
         if self._measuring:
             self._meter.set_extra(self._meter.untracked_bytes(self._p2p.inflight), source="p2p")
+
+
+
+def stage_tensors(x: Any) -> tuple[torch.Tensor, ...]:
+    """A stage's activations as a tuple: one tensor, or the tuple or list of several."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
