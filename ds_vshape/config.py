@@ -92,7 +92,9 @@ class PipelineConfig(BaseModel):
     w_memory: float = Field(
         0.5, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
-        "and output gradients); schedules keep their memory bound counting it. About 0.3-0.6 for transformer layers.",
+        "and output gradients); schedules keep their memory bound counting it. Set it to your model's share: "
+        "benchmarks/kept_share.py measures it (transformer blocks keep more than half unless weight_grads_in_b moves "
+        "some weight gradients to B).",
     )
     weight_grads_in_b: tuple[str, ...] = Field(
         (),

@@ -19,7 +19,7 @@ class Costs:
 
     ``w_memory`` is the share of a unit's activation that B keeps until its W runs: the
     weight GEMMs of W need the inputs and output gradients of the linear layers, so a real
-    split backward frees only the rest at B (about 0.3-0.6 for a transformer layer). The
+    split backward frees only the rest at B (``benchmarks/kept_share.py`` measures a model's). The
     split-backward generators keep their memory bound counting that share as live until W,
     and ``simulate`` counts it by default; 0 frees everything at B, 1 keeps it all until W.
 
