@@ -38,6 +38,10 @@ def _cases(tmp: Path | None = None) -> list[dict[str, Any]]:
     cases.append({"name": "zero3-breadth-first-m8", "schedule": "breadth-first", "m": 8, **base, "zero": 3, **z3})
     # W through a custom autograd Function (split_graph re-runs its backward in W, on re-gathered weights)
     cases.append({"name": "zero3-custom-v-zb", "schedule": "v-zb", "m": 4, **base, "zero": 3, **z3, "custom": True})
+    # Activation offload under ZeRO-3 (rows of 128: saved tensors of 4 KiB, offload's smallest): the
+    # gathered weights autograd saves are parameters, never copied; activations go and come back exactly.
+    cases.append({"name": "zero3-v-half-offload", "schedule": "v-half", "m": 4, **base, "zero": 3, **z3, "rows": [128],
+                  "pipeline": {"offload": 0.5}})
     cases += [{"name": "err-zero3-tied", "schedule": "1f1b", "m": 4, **base, "zero": 3, "tied": True}]
     ckpt = {"name": "ckpt-zero2-breadth-first", "schedule": "breadth-first", "m": 4, **base, "load_as": "1f1b",
             "dir": str((tmp or Path(".")) / "ckpt")}
@@ -173,3 +177,8 @@ def test_zero3_refusals_say_why_and_what_to_do(results: dict, case: str, needles
     for res in results[case]:
         for needle in needles:
             assert needle in res.get("error", ""), (needle, res)
+
+
+def test_zero3_with_activation_offload_moves_activations_and_stays_exact(results: dict) -> None:
+    ranks = results["zero3-v-half-offload"]
+    assert sum(res["offloaded_units"] for res in ranks) > 0, [res["offloaded_units"] for res in ranks]

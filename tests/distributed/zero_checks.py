@@ -111,6 +111,7 @@ def run_zero_case(case: dict[str, Any]) -> dict[str, Any]:
         "dp_ops": sorted({op.kind.value for op in engine._train_ir.ops if op.kind in DATA_PARALLEL}),
         "gather_ops": sum(op.kind is OpKind.GATHER_PARAMS for op in engine._train_ir.ops),
         "optimizer": type(engine.optimizer).__name__,
+        "offloaded_units": engine._offload.offloaded_units,
     }
 
 
