@@ -61,8 +61,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--ffn", type=int, default=1056)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="pipeline keys merged into a schedule's config where the schedule is named SCHEDULE+NAME, e.g. "
+                         "--variant 'in_b={\"weight_grads_in_b\": [\"*self_attn*\"]}' --schedules deepspeed-1f1b v-half+in_b")
     ap.add_argument("--out", type=Path, required=True)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.variants = dict(_variant(v) for v in args.variant)
+    return args
+
+
+def _variant(text: str) -> tuple[str, dict[str, Any]]:
+    name, sep, keys = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--variant wants NAME=JSON, got {text!r}")
+    return name, json.loads(keys)
 
 
 def model_config(args: argparse.Namespace, *, vocab_size: int) -> LlamaConfig:
@@ -74,7 +86,11 @@ def model_config(args: argparse.Namespace, *, vocab_size: int) -> LlamaConfig:
 
 
 def build(schedule: str, args: argparse.Namespace, p: int) -> tuple[Any, Probe, int]:
-    config = json.loads((ROOT / "ds_configs" / f"{schedule}.json").read_text())
+    """``schedule`` is a name of ``ds_configs`` or ``NAME+VARIANT`` (that config with the variant's pipeline keys)."""
+    name, _, variant = schedule.partition("+")
+    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    if variant:
+        config["pipeline"] = {**config.get("pipeline", {}), **args.variants[variant]}
     tok = ByteTokenizer()
     layers, loss_fn = pipeline_layers(model_config(args, vocab_size=tok.vocab_size), attn_implementation="sdpa")
     module = PipelineModule(layers=layers, loss_fn=metered_loss(loss_fn), num_stages=p, partition_method="parameters",
@@ -145,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         with args.out.open("a") as fh:
             fh.write(json.dumps({"kind": "latency", "p": p, **latency}) + "\n")
+            if args.variants:
+                fh.write(json.dumps({"kind": "variants", "variants": args.variants}) + "\n")
     for round_ in range(args.rounds):
         # Every engine is built first and the schedules take turns step by step: a slow spell of
         # the machine then falls on all of them alike, not on whichever ran at the time.

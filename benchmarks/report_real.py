@@ -16,6 +16,7 @@ Reads ``results/raw/real_p2.jsonl`` (``bench_real.py``) and writes ``results/rea
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -63,7 +64,7 @@ def _breakdown(rank: dict[str, Any]) -> dict[str, float]:
 
 
 def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], base_passes: dict[str, float] | None) -> None:
-    sched = schedule_of(row["system"], row["schedule"], rec["p"], MICRO_BATCHES)
+    sched = schedule_of(row["system"], row["schedule"].partition("+")[0], rec["p"], MICRO_BATCHES)  # a variant's own schedule
     if sched is None:
         return
     passes = pass_medians_ms(rec["ranks"])
@@ -192,18 +193,27 @@ def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import machine_info
 
-    lines = read_jsonl(RAW / "real_p2.jsonl")
+    ap = argparse.ArgumentParser(description="real-compute report (benchmarks/run_real.sh writes the raw lines)")
+    ap.add_argument("--raw", type=Path, default=RAW / "real_p2.jsonl")
+    ap.add_argument("--name", default="real", help="writes results/NAME.md and results/NAME.json")
+    args = ap.parse_args(argv)
+    lines = read_jsonl(args.raw)
     if not lines:
-        print(f"no measurements in {RAW / 'real_p2.jsonl'}: run benchmarks/run_real.sh first", file=sys.stderr)
+        print(f"no measurements in {args.raw}: run benchmarks/run_real.sh first", file=sys.stderr)
         return 1
     rows = real_rows(lines)
     machine = machine_info()
-    (RESULTS / "real.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     text = real_markdown(rows, machine)
-    (RESULTS / "real.md").write_text(text)
+    variants = next((x["variants"] for x in lines if x["kind"] == "variants"), None)
+    if variants:  # what SCHEDULE+NAME rows ran with, after the header paragraph
+        head, sep, rest = text.partition("\n\n")
+        said = "; ".join(f"`+{k}`: `pipeline` keys `{json.dumps(v)}`" for k, v in variants.items())
+        text = f"{head}{sep}Variants: {said}.\n\n{rest}"
+    (RESULTS / f"{args.name}.md").write_text(text)
     print(text)
     return 0
 
