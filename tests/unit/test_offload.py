@@ -232,3 +232,25 @@ def _forward_peak(model: nn.Module, share: float) -> int:
         out = model(x)
     off.after_forward((0, 0, 0), [x, out])
     return meter.peak_bytes
+
+
+def test_a_storage_saved_again_after_autograd_let_it_go_gets_a_fresh_slot() -> None:
+    """A forward whose first use of ``h`` builds a graph it then drops (autograd frees that saved
+    tensor while the forward runs), and which saves ``h`` again: exact, no stale slot reused."""
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            dropped = h.pow(2)  # pow saves h; the graph is dropped at once, and autograd lets h's copy go
+            del dropped
+            return self.b(h.pow(3))  # h saved again: the same storage, at the same address
+
+    def run(s: float) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Identity(), Twice())
+        return _run(model, s)[0]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(0.0), run(1.0)))

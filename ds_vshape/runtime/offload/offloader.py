@@ -172,8 +172,11 @@ class Offloader:
                 return self._meter.hold(t) if self._measure else t
             storage = t.untyped_storage()
             slot = slots.get(storage.data_ptr())
-            if slot is not None and slot.alive() is not storage:  # another storage at a freed one's address
-                slots[(storage.data_ptr(), id(slot))] = slot  # still the unit's, under a key no storage has
+            if slot is not None and (slot.alive() is not storage or slot.handles == 0):
+                # Another storage at a freed one's address, or a slot autograd already let go of (its copy
+                # and device reference are gone): a fresh slot. The old one stays the unit's, under a key
+                # no storage has.
+                slots[(storage.data_ptr(), id(slot))] = slot
                 slot = None
             if slot is None:
                 slot = slots[storage.data_ptr()] = _Slot(storage.nbytes(), storage, alive=weakref.ref(storage))
