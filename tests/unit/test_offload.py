@@ -7,6 +7,7 @@ a small MLP and compare every gradient bit for bit with a plain run.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -254,3 +255,25 @@ def test_a_storage_saved_again_after_autograd_let_it_go_gets_a_fresh_slot() -> N
         return _run(model, s)[0]
 
     assert all(torch.equal(a, b) for a, b in zip(run(0.0), run(1.0)))
+
+
+def test_a_stage_output_saved_then_let_go_is_not_counted_off_twice() -> None:
+    """The output is saved by an op whose graph the forward drops, then returned (the engine keeps
+    it): its slot holds nothing at the forward's end, and the device figure ends at zero."""
+    class Out(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.a(x)
+            dropped = out.pow(2)  # saves out; dropped at once
+            del dropped
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), Out())
+    plain = _run(copy.deepcopy(model), 0.0)[0]
+    grads, _, off, _ = _run(model, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    assert off.device_bytes == 0 and off.host_bytes == 0, (off.device_bytes, off.host_bytes)

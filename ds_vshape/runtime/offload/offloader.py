@@ -211,7 +211,8 @@ class Offloader:
         kept = {_ptr(t): t for t in keep}
         for ptr, slot in slots.items():
             _check_unchanged(slot, unit, self._rank)
-            if ptr in kept and slot.alive() is kept[ptr].untyped_storage():
+            # A slot autograd let go of holds nothing to keep (its bytes are counted off already).
+            if slot.handles > 0 and ptr in kept and slot.alive() is kept[ptr].untyped_storage():
                 self._keep(slot, kept[ptr])
         self._to_host([slot for slot in slots.values() if not slot.kept and slot.handles > 0 and slot.host is None])
         away = [slot for slot in slots.values() if not slot.kept and slot.host is not None]
