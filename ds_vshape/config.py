@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .schedules import Costs, Schedule, generate, get_info, schedule_names, split_backward_names
-from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options, measuring_schedule
+from .schedules import Costs, Schedule, generate, get_info, split_backward_names
+from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options, measuring_schedule, on_placement
 from .tuning import ProfileSample
 
 __all__ = ["PipelineConfig", "parse_pipeline_config", "ConfigError"]
@@ -103,8 +103,8 @@ class PipelineConfig(BaseModel):
         "biases always do. A pattern is matched against the module's path in the pipeline model: the layer's index, then "
         "the path inside the layer, e.g. '3.block.self_attn.q_proj' for a decoder block of ds_vshape.hf.pipeline_layers "
         "('tied_modules.<key>...' for a tied layer); so [\"*self_attn*\"] computes attention's weight gradients in B. W "
-        "then keeps less from B (the recipe's Llama block: 0.48 of what its forward saves instead of 0.77; lower "
-        "w_memory to match) and B takes their time. A pattern that matches no module holding a trainable parameter in "
+        "then keeps less from B (lower w_memory to match; benchmarks/kept_share.py --in-b measures it) and B takes "
+        "their time. A pattern that matches no module holding a trainable parameter in "
         "the whole model is an error.",
     )
 
@@ -199,8 +199,7 @@ class PipelineConfig(BaseModel):
         if not self.weight_grads_in_b:
             return
         if self.schedule == "auto":  # auto may run any of these: one of them must split
-            family = self.auto_placement or "v"
-            names = self.auto_candidates or tuple(n for n in schedule_names() if get_info(n).placement == family)
+            names = tuple(on_placement(self.auto_placement or "v", self.auto_candidates))
             what = f"none of auto's candidates ({', '.join(names)}) splits backward"
         else:
             names, what = (str(self.schedule),), f"{self.schedule!r} does not split backward"

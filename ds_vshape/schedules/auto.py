@@ -29,7 +29,7 @@ from .offload import offload_plan
 from .registry import generate, get_info, schedule_names
 from .simulate import memory_peaks, simulate
 
-__all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "OFFLOAD_SHARES", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "to_costs",
+__all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "OFFLOAD_SHARES", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "on_placement", "to_costs",
            "peak_bytes", "pick", "make_chosen", "AUTO_KEYS", "check_auto_options"]
 
 PLACEMENTS = ("linear", "v", "looped")
@@ -166,13 +166,19 @@ def measuring_schedule(placement: str, *, stages: int, micro_batches: int, memor
     return BOUNDED[placement], memory_limit
 
 
+def on_placement(placement: str, names: Sequence[str] | None = None) -> list[str]:
+    """Auto's candidates before k, m and ZeRO are known: ``names`` (default: every registered schedule)
+    that run on ``placement``."""
+    return [get_info(n).name for n in (names if names is not None else schedule_names())
+            if get_info(n).placement == placement]
+
+
 def candidates(settings: AutoSettings, *, stages: int, micro_batches: int) -> list[str]:
     """The registry's schedules that share the placement and take this k, m and ZeRO stage."""
-    names = settings.names if settings.names is not None else tuple(schedule_names())
     out = []
-    for name in names:
+    for name in on_placement(settings.placement, settings.names):
         info = get_info(name)
-        if info.placement != settings.placement or settings.zero_stage not in info.zero_stages:
+        if settings.zero_stage not in info.zero_stages:
             continue
         if settings.seq_chunks > 1 and not info.seq_chunks:
             continue

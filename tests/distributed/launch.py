@@ -65,3 +65,8 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``launch``'s per-rank results regrouped per case: case name -> one result per rank."""
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}

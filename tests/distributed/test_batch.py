@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
-from .test_engine import TOL, _assert_parity, _by_case
+from .launch import by_case, launch
+from .test_engine import TOL, _assert_parity
 
 pytestmark = pytest.mark.distributed
 ROWS = 4  # worker.ROWS: rows per micro-batch
@@ -47,7 +47,7 @@ GROUP_CASES = [{"name": f"groups-{s}", "batch_check": "groups", "schedule": s, "
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(GROUP_CASES + BATCH_CASES + EVAL_CASES, 2, tmp_path_factory.mktemp("batch")))
+    return by_case(launch(GROUP_CASES + BATCH_CASES + EVAL_CASES, 2, tmp_path_factory.mktemp("batch")))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in GROUP_CASES])

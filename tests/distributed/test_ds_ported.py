@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
-from .test_engine import _by_case
+from .launch import by_case, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -27,7 +26,7 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(CASES, 2, tmp_path_factory.mktemp("ported")))
+    return by_case(launch(CASES, 2, tmp_path_factory.mktemp("ported")))
 
 
 def _ok(name: str, res: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 
 from ds_vshape.schedules import Costs, generate, get_info, schedule_names, simulate
 
-from .launch import launch
+from .launch import by_case, launch
 from .worker import WideBlock, kept_fraction
 
 pytestmark = pytest.mark.distributed
@@ -86,18 +86,15 @@ def _extra_cases_p4() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def results_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("p2")
-    return _by_case(launch(_parity_cases(2) + _extra_cases_p2(tmp), 2, tmp))
+    return by_case(launch(_parity_cases(2) + _extra_cases_p2(tmp), 2, tmp))
 
 
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("p4")
     # Every schedule's p=4 parity runs in test_nccl_mode.py, under both NCCL init modes.
-    return _by_case(launch(_extra_cases_p4(), 4, tmp))
+    return by_case(launch(_extra_cases_p4(), 4, tmp))
 
-
-def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
 def _assert_parity(name: str, ranks: list[dict[str, Any]]) -> None:
@@ -226,7 +223,7 @@ def _error_cases() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def errors_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("errors")
-    return _by_case(launch(_error_cases(), 2, tmp))
+    return by_case(launch(_error_cases(), 2, tmp))
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
+from .launch import by_case, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -68,18 +68,15 @@ P2_OURS = [c["name"] for c in _cases_p2() if c["schedule"] and not c["name"].sta
 P4_OURS = [c["name"] for c in _cases_p4() if c["schedule"]]
 
 
-def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("fp16")))
+    return by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("fp16")))
 
 
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4"), nccl="lazy"))
+    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4"), nccl="lazy"))
 
 
 def _ok(name: str, ranks: list[dict[str, Any]]) -> None:

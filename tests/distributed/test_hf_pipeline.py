@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
-from .test_engine import _assert_parity, _by_case
+from .launch import by_case, launch
+from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
 # Granite and Gemma2 post-process their logits (scaling, soft-capping); GPT-NeoX passes its cache as layer_past.
@@ -44,7 +44,7 @@ def _in_b_cases() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
+    return by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if "ckpt" not in c and "pipeline" not in c])

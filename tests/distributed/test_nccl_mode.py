@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
+from .launch import by_case, launch
 from .nccl_checks import HELD
-from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _by_case, _min_m, _parity_cases,
+from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _min_m, _parity_cases,
                           test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
 pytestmark = pytest.mark.distributed
@@ -46,13 +46,13 @@ FAILED_STEP = {"name": "failed-step", "schedule": "v-half", "p": 2, "m": 4, "fai
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
-    return _by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param))
+    return by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param))
 
 
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
-    return _by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param))
+    return by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     tmp = tmp_path_factory.mktemp("nccl_p2")
     checkpoint = {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
                   "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}}
-    return _by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy"))
+    return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
@@ -115,7 +115,7 @@ def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2:
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nccl_emulation")
-    return _by_case(launch(CONTROL_CASES + [{"name": "selfcheck", "nccl_selfcheck": True}], 4, tmp, nccl="eager"))
+    return by_case(launch(CONTROL_CASES + [{"name": "selfcheck", "nccl_selfcheck": True}], 4, tmp, nccl="eager"))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -20,8 +20,8 @@ import pytest
 
 from ds_vshape.schedules.seq_partition import chunk_boundaries
 
-from .launch import launch
-from .test_engine import _assert_parity, _by_case
+from .launch import by_case, launch
+from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
 SCHEDULES = ("1f1b", "zb-h1", "v-zb", "v-half")
@@ -73,12 +73,12 @@ def _cases_p4() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def results_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("offload_p2")))
+    return by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("offload_p2")))
 
 
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("offload_p4")))
+    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("offload_p4")))
 
 
 def _check_offloaded(name: str, ranks: list[dict[str, Any]], *, idle: tuple[int, ...]) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
+from .launch import by_case, launch
+from .test_post_validation import check_fp32_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -60,18 +61,15 @@ def _lazy_cases() -> list[dict[str, Any]]:
     return [_fp32(2, "zb-h1"), _fp32(1, "zb-h1", spec=True)]
 
 
-def _by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_cases(), 4, tmp_path_factory.mktemp("pvz")))
+    return by_case(launch(_cases(), 4, tmp_path_factory.mktemp("pvz")))
 
 
 @pytest.fixture(scope="module")
 def lazy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_lazy_cases(), 4, tmp_path_factory.mktemp("pvz-lazy"), nccl="lazy"))
+    return by_case(launch(_lazy_cases(), 4, tmp_path_factory.mktemp("pvz-lazy"), nccl="lazy"))
 
 
 def _ok(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -83,12 +81,7 @@ def _ok(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _check_fp32(ranks: list[dict[str, Any]], *, speculated: bool, plain: list[dict[str, Any]]) -> None:
     for rank, (r, base) in enumerate(zip(_ok(ranks), plain)):
-        assert (r["rerun"] > 0) is speculated, f"rank {rank}: {r['rerun']} reruns"
-        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), f"rank {rank}"
-        assert r["param_diff"] < 1e-5, f"rank {rank}: parameters off the reference by {r['param_diff']}"
-        redo = [v["redo"] for v in r["verdicts"]]
-        assert len(redo) == 10 and 0 < sum(redo) < 10, f"rank {rank}: the threshold must split the steps, got {redo}"
-        assert r["redone"] == sum(redo)
+        check_fp32_rank(rank, r, speculated=speculated)
         # Bit for bit what the same engine gives without post-validation.
         assert r["losses"] == base["losses"], f"rank {rank}"
         assert r["params"] == base["params"], f"rank {rank}"

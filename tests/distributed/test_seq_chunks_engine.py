@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
-from .test_engine import _assert_parity, _by_case
+from .launch import by_case, launch
+from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
 # Grouped-query attention with rotary; learned positions with a tied head; partial rotary with the cache passed
@@ -66,12 +66,12 @@ def _parity_cases_p4() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def seq_results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_parity_cases_p4(), 4, tmp_path_factory.mktemp("seq_p4")))
+    return by_case(launch(_parity_cases_p4(), 4, tmp_path_factory.mktemp("seq_p4")))
 
 
 @pytest.fixture(scope="module")
 def seq_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
+    return by_case(launch(_parity_cases() + _refusal_cases(), 2, tmp_path_factory.mktemp("seq")))
 
 
 # The same parity under NCCL's point-to-point rules (tests/distributed/nccl_emulation, eager): the
@@ -81,7 +81,7 @@ NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2
 
 @pytest.fixture(scope="module")
 def seq_results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy"))
+    return by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in NCCL_CASES])

@@ -11,8 +11,8 @@ import pytest
 
 from ds_vshape.schedules.partition import LayerCost, cut_layers
 
-from .launch import launch
-from .test_engine import _assert_parity, _by_case
+from .launch import by_case, launch
+from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
 HEAVY_AT = 5  # tuning_checks.HEAVY_AT (not imported: that module imports deepspeed)
@@ -52,7 +52,7 @@ V_FAMILY = {"v-min", "v-half", "v-zb", "v-adaptive"}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _by_case(launch(PROFILE_CASES + AUTO_CASES, 2, tmp_path_factory.mktemp("tuning")))
+    return by_case(launch(PROFILE_CASES + AUTO_CASES, 2, tmp_path_factory.mktemp("tuning")))
 
 
 NCCL_CASES = ["profile-v-half-heavy", "auto-v-profile", "auto-linear-limit"]
@@ -63,7 +63,7 @@ def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
     """Profiling's collectives, auto's ping-pong hop and its switch of schedules under the NCCL
     emulation (eager init: one ordered queue per process group)."""
     cases = [c for c in PROFILE_CASES + AUTO_CASES if c["name"] in NCCL_CASES]
-    return _by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl="lazy"))
+    return by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl="lazy"))
 
 
 @pytest.mark.parametrize("case", NCCL_CASES)

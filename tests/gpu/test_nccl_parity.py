@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.launch import launch
-from tests.distributed.test_engine import _assert_parity, _by_case, _parity_cases
+from tests.distributed.launch import by_case, launch
+from tests.distributed.test_engine import _assert_parity, _parity_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def _control(p: int) -> dict[str, Any]:
 def _run(p: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
     # Memory is measured only when asked: the meter check needs it on every step.
     cases = [dict(c, pipeline={"measure_memory": True}) for c in _parity_cases(p)]
-    return _by_case(launch(cases + [_control(p)], p, tmp, backend="nccl", timeout=1800))
+    return by_case(launch(cases + [_control(p)], p, tmp, backend="nccl", timeout=1800))
 
 
 @pytest.fixture(scope="module")

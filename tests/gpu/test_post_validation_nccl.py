@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.launch import launch
-from tests.distributed.test_post_validation import _by_case, _check_fp32, _fp32, _ok, _overlap, _spec
+from tests.distributed.launch import by_case, launch
+from tests.distributed.test_post_validation import _check_fp32, _fp32, _ok, _overlap, _spec
 
 pytestmark = pytest.mark.gpu(gpus=2)
 
@@ -20,7 +20,7 @@ SCHEDULES = ["zb-h2", "v-zb"]
 def nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     cases = [_fp32(s, 2) for s in SCHEDULES] + [_spec(_fp32(s, 2)) for s in SCHEDULES]
     cases.append(_spec(_overlap("overlap-stats", 2, on=True, clip=100.0, timeout_s=60, hold_at="stats")))
-    return _by_case(launch(cases, 2, tmp_path_factory.mktemp("pv_nccl"), backend="nccl", timeout=1800))
+    return by_case(launch(cases, 2, tmp_path_factory.mktemp("pv_nccl"), backend="nccl", timeout=1800))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

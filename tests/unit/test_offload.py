@@ -18,10 +18,10 @@ from ds_vshape.runtime.measuring.memory import ActivationMeter
 from ds_vshape.runtime.offload.offloader import HostPool, Offloader
 from ds_vshape.runtime.offload.setup import check_offload_config, offload_notes
 from ds_vshape.schedules import Kind, Schedule, generate
-from ds_vshape.schedules.lowering import OpKind, lower
 from ds_vshape.schedules.offload import lifespans, offload_plan, offload_units, reload_points
 
-_KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
+from tests.unit.offload_drive import micro_batches, mlp, one_rank, passes
+
 
 
 # ---- the plan (pure) ------------------------------------------------------------------------------
@@ -89,31 +89,23 @@ ORDER = "0F0 0F1 0F2 0BW0 0BW1 0BW2"
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+    return mlp()
 
 
 def _run(model: nn.Module, share: float, *, steps: int = 1, order: str = ORDER, inplace: bool = False
          ) -> tuple[list[torch.Tensor], ActivationMeter, Offloader, list[int]]:
     """Forward three micro-batches, then backward them, as the engine would; returns the grads,
     the meter, the offloader and the device bytes after each forward."""
-    schedule = Schedule.from_text([order], name="t", micro_batches=3, stage_to_rank=[0])
-    ops = lower(schedule, 0)
+    schedule, ops = one_rank(order)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
     off = Offloader(meter, share=share, device=torch.device("cpu"), rank=0, min_bytes=0)
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(8, 16, generator=g).requires_grad_() for _ in range(3)]
+    xs = micro_batches()
     after_forward: list[int] = []
     for _ in range(steps):
         off.start_step(schedule, ops, train=True)
         meter.reset_peak()
         outs: dict[int, torch.Tensor] = {}
-        for op in ops:
-            kind = _KIND.get(op.kind)
-            if kind is None:
-                continue
-            unit, mb = (op.stage, op.micro_batch, op.seq_chunk), op.micro_batch
-            off.before_pass(kind, unit)
+        for _op, kind, unit, mb in passes(off, ops):
             if kind is Kind.F:
                 with off.forward(unit, [xs[mb]], measure=True):
                     h = model[0](xs[mb])
@@ -190,10 +182,10 @@ def test_outputs_the_engine_holds_stay_on_the_device() -> None:
     """Tanh saves its output, which is the stage output the engine keeps: copying it would free nothing."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh())
-    schedule = Schedule.from_text(["0F0 0F1 0BW0 0BW1"], name="t", micro_batches=2, stage_to_rank=[0])
+    schedule, ops = one_rank("0F0 0F1 0BW0 0BW1", micro_batches=2)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
     off = Offloader(meter, share=1.0, device=torch.device("cpu"), rank=0, min_bytes=0)
-    off.start_step(schedule, lower(schedule, 0), train=True)
+    off.start_step(schedule, ops, train=True)
     x = torch.randn(8, 16, requires_grad=True)
     off.before_pass(Kind.F, (0, 0, 0))
     with off.forward((0, 0, 0), [x], measure=True):
@@ -222,10 +214,10 @@ def test_saved_tensors_go_to_host_as_saved_and_freed_addresses_are_not_confused(
 
 def _forward_peak(model: nn.Module, share: float) -> int:
     """The device peak of saved bytes during one unit's forward (the unit offloaded at ``share`` 1)."""
-    schedule = Schedule.from_text(["0F0 0F1 0BW0 0BW1"], name="t", micro_batches=2, stage_to_rank=[0])
+    schedule, ops = one_rank("0F0 0F1 0BW0 0BW1", micro_batches=2)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
     off = Offloader(meter, share=share, device=torch.device("cpu"), rank=0, min_bytes=0)
-    off.start_step(schedule, lower(schedule, 0), train=True)
+    off.start_step(schedule, ops, train=True)
     x = torch.randn(8, 16, requires_grad=True)
     meter.reset_peak()
     off.before_pass(Kind.F, (0, 0, 0))

@@ -19,11 +19,11 @@ from ds_vshape.runtime.measuring.memory import ActivationMeter
 from ds_vshape.runtime.offload.offloader import Offloader
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 from ds_vshape.schedules import Costs, Kind, Schedule, generate, simulate
-from ds_vshape.schedules.lowering import OpKind, lower
 from ds_vshape.schedules.offload import offload_plan, w_reload_points
 from ds_vshape.schedules.simulate import memory_peaks
 
-_KIND = {OpKind.FORWARD: Kind.F, OpKind.BACKWARD_INPUT: Kind.B, OpKind.BACKWARD_WEIGHT: Kind.W, OpKind.BACKWARD: Kind.BW}
+from tests.unit.offload_drive import micro_batches, mlp, one_rank, passes
+
 SPLIT = "0F0 0F1 0F2 0B0 0B1 0B2 0W0 0W1 0W2"
 
 
@@ -84,8 +84,7 @@ def test_slow_copies_delay_w_after_its_reload() -> None:
 
 # ---- the runtime on one CPU process ------------------------------------------------------------
 def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+    return mlp()
 
 
 def _run(share: float, *, order: str = SPLIT, observe: list | None = None
@@ -96,22 +95,15 @@ def _run(share: float, *, order: str = SPLIT, observe: list | None = None
     model = _model()
     store = WeightGradStore()
     enable_split_backward([model], store)
-    schedule = Schedule.from_text([order], name="t", micro_batches=3, stage_to_rank=[0])
+    schedule, ops = one_rank(order)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
     off = Offloader(meter, share=share, device=torch.device("cpu"), rank=0, min_bytes=0,
                     parked=lambda: store.parked_bytes)
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(8, 16, generator=g).requires_grad_() for _ in range(3)]
-    ops = lower(schedule, 0)
+    xs = micro_batches()
     off.start_step(schedule, ops, train=True)
     meter.reset_peak()
     outs: dict[int, torch.Tensor] = {}
-    for op in ops:
-        kind = _KIND.get(op.kind)
-        if kind is None:
-            continue
-        unit, mb = (op.stage, op.micro_batch, op.seq_chunk), op.micro_batch
-        off.before_pass(kind, unit)
+    for op, kind, unit, mb in passes(off, ops):
         if kind is Kind.F:
             with off.forward(unit, [xs[mb]], measure=True), store.forward_of(unit):
                 outs[mb] = model(xs[mb])
@@ -168,8 +160,8 @@ def test_live_tensors_stay_on_the_device() -> None:
     enable_split_backward([model], store)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
     off = Offloader(meter, share=1.0, device=torch.device("cpu"), rank=0, min_bytes=0, parked=lambda: store.parked_bytes)
-    schedule = Schedule.from_text([SPLIT], name="t", micro_batches=3, stage_to_rank=[0])
-    off.start_step(schedule, lower(schedule, 0), train=True)
+    schedule, ops = one_rank(SPLIT)
+    off.start_step(schedule, ops, train=True)
     unit = (0, 0, 0)
     x = torch.randn(8, 16, requires_grad=True)
     off.before_pass(Kind.F, unit)
