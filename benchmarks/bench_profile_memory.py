@@ -197,11 +197,13 @@ def ratio_table(records: list[dict[str, Any]], command: str) -> str:
     ok = [r for r in records if not any("error" in g for g in r["ranks"])]
     base = {(r["method"], r["round"]): _busiest(r) for r in ok if r["schedule"] == "1f1b"}
     p = records[0]["p"] if records else "?"
-    lines = ["# Busiest-rank activation memory against 1F1B, with and without `pipeline.weight_grads_in_b`", "",
+    lines = ["# Busiest-rank activation memory against 1F1B, by `pipeline.w_memory` and `pipeline.weight_grads_in_b`", "",
              "The recipe's tiny Llama (`recipes/train_hf.py`'s `build_module`, `ds_configs/<schedule>.json`), "
              "`pipeline.measure_memory` on; per case the largest `engine.peak_activation_bytes` over the ranks in the last "
              "step, against 1F1B's of the same partition method and round. *B keeps for W*: after each B, the share of "
-             "that unit's forward bytes still held (`KeptShare`), median over the stages.", "",
+             "that unit's forward bytes still held (`KeptShare`), median over the stages. The engine holds W to the "
+             "V schedules' `w_memory` (`ds_vshape/runtime/split/fit.py`): below the model's own share, some weight "
+             "gradients are computed in B; at 1 none are.", "",
              f"Command: `python -m torch.distributed.run --nproc_per_node {p} benchmarks/bench_profile_memory.py {command}`; "
              f"torch {torch.__version__}; gloo, CPU.", "",
              "| method | round | schedule | weight_grads_in_b | w_memory | busiest-rank peak (KiB) | peak per rank (KiB) "

@@ -92,9 +92,12 @@ class PipelineConfig(BaseModel):
     w_memory: float = Field(
         0.5, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
-        "and output gradients); schedules keep their memory bound counting it. Set it to your model's share: "
-        "benchmarks/kept_share.py measures it (transformer blocks keep more than half unless weight_grads_in_b moves "
-        "some weight gradients to B).",
+        "and output gradients). The V schedules keep their memory bound counting it, and the engine holds W to it: "
+        "after each stage's first B, where W would keep more (transformer blocks do), the weight gradients of the "
+        "GEMMs that free the most per unit of work are computed in B from then on (exact; logged once per stage). "
+        "1: W keeps all it needs and B does no weight-gradient GEMMs, with the schedule counting all of it "
+        "(benchmarks/kept_share.py measures a model's share). Schedules whose bound does not count it (zb-h1, zb-h2, "
+        "zb-auto) leave W as it is.",
     )
     weight_grads_in_b: tuple[str, ...] = Field(
         (),
@@ -103,8 +106,8 @@ class PipelineConfig(BaseModel):
         "biases always do. A pattern is matched against the module's path in the pipeline model: the layer's index, then "
         "the path inside the layer, e.g. '3.block.self_attn.q_proj' for a decoder block of ds_vshape.hf.pipeline_layers "
         "('tied_modules.<key>...' for a tied layer); so [\"*self_attn*\"] computes attention's weight gradients in B. W "
-        "then keeps less from B (lower w_memory to match; benchmarks/kept_share.py --in-b measures it) and B takes "
-        "their time. A pattern that matches no module holding a trainable parameter in "
+        "then keeps less from B (benchmarks/kept_share.py --in-b measures it) and B takes their time; w_memory may "
+        "move more. A pattern that matches no module holding a trainable parameter in "
         "the whole model is an error.",
     )
 

@@ -31,6 +31,7 @@ from .measuring.memory import ActivationMeter
 from .offload.offloader import Offloader
 from .step_end.precision import scale_loss
 from .program.seq_chunks import SeqChunks
+from .split.fit import WFit
 from .split.setup import enable_for_stages
 from .split.split_backward import WeightGradStore
 from .step_end.step import OptimizerStepMixin
@@ -70,6 +71,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self.schedule: Schedule = schedule
         self.num_model_stages = self.schedule.num_model_stages
         self._store = WeightGradStore()
+        self._fit = WFit(self._store)  # keeps W's share within the schedule's w_memory
         self._in_b = tuple(weight_grads_in_b)
         if self.schedule.uses_split_backward:
             self._enable_split_backward()
@@ -224,8 +226,12 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         split = self._store.forward_of(unit, scope=stage) if unit in self._split else nullcontext()
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
         self._offload.before_pass(Kind.F, unit)
-        with self._offload.forward(unit, stage_tensors(inputs), measure=self._measuring), split, chunk:
+        fit = unit in self._split and torch.is_grad_enabled() and self._fit.forward_starts(unit)  # once per stage
+        before = self._meter.saved_bytes
+        with self._offload.forward(unit, stage_tensors(inputs), measure=self._measuring or fit), split, chunk:
             outputs = self.module.forward_stage(stage, inputs)
+        if fit:
+            self._fit.saw_forward(stage, self._meter.saved_bytes - before)
         # What lives on anyway stays on the device: the stage's inputs and outputs, later chunks' K/V.
         self._offload.after_forward(unit, (*stage_tensors(inputs), *stage_tensors(outputs), *self._seq.kept_tensors()))
         if not self.module.training:
@@ -257,14 +263,22 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self._offload.before_pass(Kind.B, unit)
         with self._store.deferring(unit):
             self._backward(stage, micro_batch, seq_chunk, buffer_id)
+        fitted = self._fit.after_backward_input(unit, share=self.schedule.params.get("w_memory"), rank=self.stage_id,
+                                                run_now=lambda run: self._weight_pass(stage, micro_batch, run))
+        if fitted:
+            log.info(fitted)
         # What W keeps may go to host; what the previous stage and later chunks still read stays.
         live = [*self._grad_in.get((stage - 1, micro_batch, seq_chunk), ()), *self._seq.kept_tensors()]
         self._offload.after_backward_input(unit, self._store.held(unit), live=live)
 
     def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         self._offload.before_pass(Kind.W, (stage, micro_batch, seq_chunk))
+        self._weight_pass(stage, micro_batch, lambda: self._store.run((stage, micro_batch, seq_chunk)))
+
+    def _weight_pass(self, stage: int, micro_batch: int, run: Callable[[], None]) -> None:
+        """``run`` accumulates parked weight gradients: a W pass, or B's share of one (``WFit``)."""
         self._zero_before_weight_pass(stage, micro_batch)
-        self._store.run((stage, micro_batch, seq_chunk))
+        run()
         self._offload.count_parked()
         self._after_grads()
 

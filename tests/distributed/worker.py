@@ -318,7 +318,8 @@ def run_hf_case(case: dict[str, Any]) -> dict[str, Any]:
               "w_offloaded_units": engine._offload.w_offloaded_units, "w_planned": len(engine._offload._w_units),
               "peak_breakdown": dict(engine._meter.peak_breakdown),
               "embedding_checked": any(theirs is ref.get_input_embeddings().weight for _, _, theirs in twins),
-              "in_b_matrices": sum(p.dim() > 1 and id(p) in engine._store._in_b for p in engine.module.parameters())}
+              "in_b_matrices": sum(p.dim() > 1 and id(p) in engine._store._in_b for p in engine.module.parameters()),
+              "w_fit": {str(s): list(v) for s, v in engine._fit.fitted.items()}}
     choice = getattr(engine, "auto_choice", None)
     if choice is not None:
         result["auto"] = {"name": choice.name, "offload": choice.offload, "table": choice.summary()}

@@ -237,6 +237,35 @@ class WeightGradStore:
                 self._hold(t, -1)
         _accumulate(batch)
 
+    def parked_of(self, key: Hashable) -> list[ParkedWork]:
+        """``key``'s parked work, in the order B parked it."""
+        return list(self._parked.get(key, ()))
+
+    def run_now(self, key: Hashable, works: Sequence[ParkedWork]) -> None:
+        """Run ``works`` (parked by ``key``) now, in their parked order; the rest waits for ``key``'s W."""
+        chosen = {id(w) for w in works}
+        now = [w for w in self._parked.get(key, ()) if id(w) in chosen]
+        self._parked[key] = [w for w in self._parked[key] if id(w) not in chosen]
+        for work in now:
+            work.run()
+            for t in work.held:
+                self._hold(t, -1)
+
+    def compute_in_b(self, params: Sequence[torch.Tensor], *, in_b: bool = True) -> None:
+        """From the next forward on, B computes these adopted parameters' gradients (``fit``'s choice);
+        ``in_b=False`` gives them back to W."""
+        ids = {id(p) for p in params if id(p) in self._param_ids}
+        self._in_b = self._in_b | ids if in_b else self._in_b - ids
+
+    @property
+    def param_storages(self) -> set[int]:
+        """The adopted parameters' storage addresses: never counted as parked."""
+        return self._param_ptrs
+
+    def owner_of(self, param: torch.Tensor) -> str:
+        """The module an adopted parameter belongs to, as warnings name it."""
+        return self._owner.get(id(param), "?")
+
     def held(self, key: Hashable) -> list[torch.Tensor]:
         """The tensors ``key``'s parked work keeps until its W (activation offload moves them out and back)."""
         return [t for work in self._parked.get(key, ()) for t in work.held]
@@ -259,8 +288,10 @@ class WeightGradStore:
         if in_b or (self.cheap_in_b and param.dim() <= 1):
             self._in_b.add(id(param))
         if param.requires_grad and not self.grad_in_b(param):  # a frozen one parks nothing and cannot take the hook
-            # Autograd calls it with None where B returned None for the parameter: only a real one counts.
-            param.register_hook(lambda grad: None if grad is None else self._accumulated_in_b(owner))
+            # Autograd calls it with None where B returned None for the parameter: only a real one counts;
+            # so is one ``compute_in_b`` moved to B since.
+            pid = id(param)
+            param.register_hook(lambda grad: None if grad is None or pid in self._in_b else self._accumulated_in_b(owner))
 
     def _accumulated_in_b(self, owner: str) -> None:  # returns None: the gradient is left as it is
         if self._deferring and not self.is_suspended:
