@@ -63,8 +63,11 @@ def _breakdown(rank: dict[str, Any]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in sorted(keys)}
 
 
-def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], base_passes: dict[str, float] | None) -> None:
-    sched = schedule_of(row["system"], row["schedule"].partition("+")[0], rec["p"], MICRO_BATCHES)  # a variant's own schedule
+def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], base_passes: dict[str, float] | None,
+               variants: dict[str, dict[str, Any]]) -> None:
+    name, _, variant = row["schedule"].partition("+")
+    keys = {k: v for k, v in variants.get(variant, {}).items() if k != "weight_grads_in_b"}  # those that shape the order
+    sched = schedule_of(row["system"], name, rec["p"], MICRO_BATCHES, pipeline=keys)  # a variant's own schedule
     if sched is None:
         return
     passes = pass_medians_ms(rec["ranks"])
@@ -76,11 +79,12 @@ def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], 
         split = passes.get("B", 0.0) / (passes.get("B", 0.0) + passes["W"]) if "W" in passes else None
         at_base = {"F": f, "BW": bw} if split is None else {"F": f, "B": bw * split, "W": bw * (1 - split)}
         row["sim_at_1f1b_passes_s"] = calibrated_makespan(sched, at_base, rec["ranks"], lat)
-    row["sim_memory"] = simulate(sched, Costs(w_memory=W_MEMORY)).max_peak_memory
+    row["sim_memory"] = simulate(sched, Costs(w_memory=keys.get("w_memory", W_MEMORY))).max_peak_memory
 
 
 def real_rows(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     lat = next((x for x in lines if x["kind"] == "latency"), {})
+    variants = next((x["variants"] for x in lines if x["kind"] == "variants"), {})
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for x in lines:
         if x["kind"] == "real":
@@ -102,7 +106,7 @@ def real_rows(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "peak_activation_bytes": [max(s["peak_activation_bytes"] for s in r["steps"]) for r in rec["ranks"]],
                     "ranks": [_breakdown(r) for r in rec["ranks"]]})
         row["tokens_per_s"] = row["tokens_per_step"] / row["step_time_s"]
-        _simulated(row, rec, lat, base_passes)
+        _simulated(row, rec, lat, base_passes, variants)
         rows.append(row)
     _relative(rows)
     return rows

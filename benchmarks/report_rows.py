@@ -43,9 +43,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 # ---- schedules for the simulator -------------------------------------------------------------
-def schedule_of(system: str, schedule: str, p: int, m: int) -> Schedule | None:
+def schedule_of(system: str, schedule: str, p: int, m: int, *, pipeline: dict[str, Any] | None = None) -> Schedule | None:
+    """The schedule a row's engine ran; ``pipeline``: the row's own pipeline keys (a bench variant's)."""
     if system == "ds_vshape":
-        return PipelineConfig(schedule=schedule).make_schedule(p, m)  # exactly what the engine built
+        return PipelineConfig(schedule=schedule, **(pipeline or {})).make_schedule(p, m)  # exactly what the engine built
     if system == "deepspeed":
         return generate("1f1b", p, m) if schedule == "1f1b" else None  # DualPipeV: no IR form
     from benchmarks.torch_orders import torch_schedule
