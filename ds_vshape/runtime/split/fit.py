@@ -7,7 +7,9 @@ well over half of what its forward saves. So after the first B of each model sta
 asks ``WFit.after_backward_input``: when that unit's parked bytes exceed ``w_memory`` times
 what its forward saved, some of the parked work runs at once (exact: the same W computation,
 earlier) and its parameters' weight gradients are computed in B from then on, as
-``pipeline.weight_grads_in_b`` would have them. The schedule's bound then holds.
+``pipeline.weight_grads_in_b`` would have them. The schedule's bound then holds. Units whose
+forward ran before the fit park that work too; it runs at their own B, so every moved
+gradient still accumulates in micro-batch order, as a fused backward's does.
 
 What is moved: parked works sharing a storage form a group (q, k and v read one input, freed
 only once all three are done). Groups are taken by bytes freed per unit of weight-gradient
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,9 +100,7 @@ def group_works(works: Sequence[Any], *, skip: set[int]) -> list[tuple[list[Any]
         members.setdefault(root(i), []).append(work)
     out = []
     for ws in members.values():
-        sizes = {_key(t): t.untyped_storage().nbytes() for w in ws for t in w.held
-                 if t.untyped_storage().data_ptr() not in skip}
-        freed = sum(n for k, n in sizes.items() if k not in pinned)
+        freed = sum(n for k, n in _sizes(ws, skip).items() if k not in pinned)
         out.append((ws, Group(freed, sum(_cost(w) for w in ws))))
     return out
 
@@ -141,10 +141,14 @@ def params_behind(t: torch.Tensor, store: WeightGradStore) -> list[torch.Tensor]
     return found
 
 
+def _sizes(works: Sequence[Any], skip: set[int]) -> dict[int, int]:
+    """Each storage the works hold, once, with its bytes (``skip``: addresses never counted)."""
+    return {_key(t): t.untyped_storage().nbytes() for w in works for t in w.held
+            if t.untyped_storage().data_ptr() not in skip}
+
+
 def _unique_bytes(works: Sequence[Any], skip: set[int]) -> int:
-    sizes = {_key(t): t.untyped_storage().nbytes() for w in works for t in w.held
-             if t.untyped_storage().data_ptr() not in skip}
-    return sum(sizes.values())
+    return sum(_sizes(works, skip).values())
 
 
 class WFit:
