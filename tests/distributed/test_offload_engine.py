@@ -93,7 +93,11 @@ def _check_offloaded(name: str, ranks: list[dict[str, Any]], *, idle: tuple[int,
     # rank, and every such unit's W-kept tensors go (offloaded activations or not).
     assert any(planned) == ("1f1b" not in name), f"{name}: W-kept offload planned {planned}"
     w_moved = [res["w_offloaded_units"] > 0 for res in ranks]
-    assert w_moved == planned, f"{name}: W-kept tensors offloaded per rank {w_moved}, planned {planned}"
+    # Where the engine held W to w_memory by computing every parked weight gradient of the rank's
+    # split stages in B (a head stage: its GEMM keeps more than half its activation), nothing is left to move.
+    keeps = [not res["w_fit"] or any(after > 0 for *_, after in res["w_fit"].values()) for res in ranks]
+    want = [p and k for p, k in zip(planned, keeps)]
+    assert w_moved == want, f"{name}: W-kept tensors offloaded per rank {w_moved}, planned {planned}, W keeps some {keeps}"
 
 
 def _idle(name: str, p: int) -> tuple[int, ...]:
