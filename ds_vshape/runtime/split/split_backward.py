@@ -288,8 +288,8 @@ class WeightGradStore:
         if in_b or (self.cheap_in_b and param.dim() <= 1):
             self._in_b.add(id(param))
         if param.requires_grad and not self.grad_in_b(param):  # a frozen one parks nothing and cannot take the hook
-            # Autograd calls it with None where B returned None for the parameter: only a real one counts;
-            # so is one ``compute_in_b`` moved to B since.
+            # Autograd calls it with None where B returned None for the parameter: only a real one counts,
+            # and not for a parameter that ``compute_in_b`` has moved to B since.
             pid = id(param)
             param.register_hook(lambda grad: None if grad is None or pid in self._in_b else self._accumulated_in_b(owner))
 
