@@ -111,7 +111,7 @@ bench-split: venv
 	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python benchmarks/split_cost.py
 
 # Busiest-rank activation memory of the V schedules against 1F1B at p=4 by w_memory (which the engine holds
-# W to) and weight_grads_in_b (benchmarks/results/w_in_b.md), about 3 minutes.
+# W to) and weight_grads_in_b (benchmarks/results/w_in_b.md), under a minute.
 bench-w-memory: venv
 	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/w_in_b_p4.jsonl
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29541 benchmarks/bench_profile_memory.py --out benchmarks/results/raw/w_in_b_p4.jsonl --methods parameters --rounds 1 --schedules 1f1b v-half v-min v-zb --in-b '*self_attn*' --w-memory 0.5 0.77 1.0 --md benchmarks/results/w_in_b.md
