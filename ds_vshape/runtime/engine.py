@@ -227,7 +227,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         chunk = self._seq.forward(stage, micro_batch, seq_chunk, inputs)
         self._offload.before_pass(Kind.F, unit)
         fit = unit in self._split and torch.is_grad_enabled() and self._fit.forward_starts(unit)  # once per stage
-        before = self._meter.saved_bytes
+        before = self._meter.saved_bytes if fit else 0
         with self._offload.forward(unit, stage_tensors(inputs), measure=self._measuring or fit), split, chunk:
             outputs = self.module.forward_stage(stage, inputs)
         if fit:
