@@ -90,12 +90,14 @@ class PipelineConfig(BaseModel):
         "wait (the next step's first pass waits for the last rank's gradients).",
     )
     w_memory: float = Field(
-        0.5, ge=0, le=1,
+        1.0, ge=0, le=1,
         description="Share of a micro-batch's activation that split backward keeps from B until W (linear-layer inputs "
-        "and output gradients). The V schedules keep their memory bound counting it, and the engine holds W to it: "
-        "after each stage's first B, where W would keep more (transformer blocks do), the weight gradients of the "
-        "GEMMs that free the most per unit of work are computed in B from then on (exact; logged once per stage). "
-        "1: W keeps all it needs and B does no weight-gradient GEMMs, with the schedule counting all of it "
+        "and output gradients). The V schedules keep their memory bound counting it. 1 (the default): the schedule "
+        "counts all that W keeps, runs W early enough to stay within its bound, and B does no weight-gradient GEMMs. "
+        "Below 1 the schedule may postpone W further, and the engine holds W to the share: after each stage's first B, "
+        "where W would keep more (transformer blocks do), the weight gradients of the GEMMs that free the most per unit "
+        "of work are computed in B from then on (exact; logged once per stage), but never so much that the schedule, "
+        "simulated, falls behind 1F1B; a warning then states the memory over the share "
         "(benchmarks/kept_share.py measures a model's share). Schedules whose bound does not count it (zb-h1, zb-h2, "
         "zb-auto) leave W as it is.",
     )

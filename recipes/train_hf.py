@@ -269,7 +269,7 @@ class Job:
     summary: RunSummary
     micro: int  # rows per micro-batch
     gas: int  # micro-batches per step
-    w_memory: float = 0.5  # the config's share of activation kept until W, for the simulator
+    w_memory: float = 1.0  # the config's share of activation kept until W, for the simulator
 
 
 def pipeline_stages(requested: int | None, world: int) -> int:

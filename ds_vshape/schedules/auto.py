@@ -55,7 +55,7 @@ class AutoSettings:
     seq_chunks: int = 1
     memory_limit: float | None = None  # in M_B
     memory_limit_bytes: float | None = None
-    w_memory: float = 0.5
+    w_memory: float = 1.0
     zero_stage: int = 0
     warmup_schedule: str | None = None  # what the measuring steps run (measuring_schedule); None: SAFE's
     warmup_limit: float | None = None  # its memory limit in M_B, for a BOUNDED one

@@ -51,13 +51,39 @@ def test_free_work_goes_first() -> None:
     assert choose([Group(10, 5.0), Group(10, 0.0)], excess=10) == [1]
 
 
+def test_a_cost_budget_skips_the_groups_past_it() -> None:
+    groups = [Group(freed=100, cost=10.0), Group(freed=60, cost=2.0), Group(freed=50, cost=3.0)]
+    assert choose(groups, excess=150) == [0, 1]
+    assert choose(groups, excess=150, budget=6.0) == [1, 2]  # the best ratio first, the costly one skipped
+    assert choose(groups, excess=150, budget=0.0) == []
+
+
+def test_the_fit_moves_no_more_work_than_the_schedule_allows_and_states_the_trade(block: Stage) -> None:
+    """Past the share of W's work a schedule can take into B before it falls behind 1F1B
+    (``schedules.fit_limit``), nothing more moves: W then keeps more than w_memory, and the
+    warning says by how much and which w_memory would count it."""
+    free = copy.deepcopy(block.module)
+    full, _, _, _ = _units(free, block.inputs, 0.5, units=1)
+    model = copy.deepcopy(block.module)
+    reference = _fused_grads(copy.deepcopy(block.module), block.inputs)
+    with pytest.warns(SplitBackwardWarning, match=r"falls behind 1F1B \(0\.1 of it, simulated\).* KiB more per unit"):
+        fit, store, said, _ = _units(model, block.inputs, 0.5, warn=True, max_moved=0.1)
+    saved, kept, after = fit.fitted[0]
+    assert full.fitted[0][2] <= 0.5 * saved < after < kept  # less moved than the unlimited fit moved
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.warns(SplitBackwardWarning, match=r"\(0 of it, simulated\)"):
+        _, _, said_none, _ = _units(copy.deepcopy(block.module), block.inputs, 0.5, warn=True, max_moved=0.0)
+    assert said_none == [None, None]  # nothing may move: nothing moved, nothing said beyond the warning
+
+
 @pytest.fixture(scope="module")
 def block() -> Stage:
     return {s.kind: s for s in layer_stages(size="tiny", attn="sdpa", seq_len=64)}["decoder block"]
 
 
-def _units(model: nn.Module, inputs: Callable[[], Any], share: float | None, *, units: int = 2,
-           warn: bool = False) -> tuple[WFit, WeightGradStore, list[str | None], list[int]]:
+def _units(model: nn.Module, inputs: Callable[[], Any], share: float | None, *, units: int = 2, warn: bool = False,
+           max_moved: float = 1.0) -> tuple[WFit, WeightGradStore, list[str | None], list[int]]:
     """``units`` micro-batches of one stage, each forward measured by the engine's meter, B, the fit, W."""
     store = WeightGradStore()
     enable_split_backward([model], store, root=model)
@@ -77,7 +103,8 @@ def _units(model: nn.Module, inputs: Callable[[], Any], share: float | None, *, 
                 warnings.simplefilter("error", SplitBackwardWarning)
             with store.deferring(key):
                 out.backward(torch.full_like(out, 1e-3))
-            said.append(fit.after_backward_input(key, share=share, run_now=lambda run: run(), rank=0))
+            said.append(fit.after_backward_input(key, share=share, run_now=lambda run: run(), rank=0,
+                                                 max_moved=lambda: max_moved))
         parked.append(store.parked_bytes)
         store.run(key)
     return fit, store, said, parked
@@ -151,7 +178,7 @@ def test_a_custom_functions_storages_are_never_counted_as_freed() -> None:
 def test_an_unreachable_share_names_the_field_and_the_value() -> None:
     model = _CustomThenLinear()
     reference = _fused_grads(copy.deepcopy(model), _custom_inputs)
-    with pytest.warns(SplitBackwardWarning, match=r"pipeline.w_memory 0 .* raise w_memory to \d\.\d\d"):
+    with pytest.warns(SplitBackwardWarning, match=r"pipeline.w_memory 0 that .* set w_memory to \d\.\d\d"):
         fit, store, said, parked = _units(model, _custom_inputs, 0.0, warn=True)
     assert fit.fitted[0][2] > 0 and said[0] is not None and parked[1] == fit.fitted[0][2]
     assert [n for n, p in model.named_parameters() if id(p) in store._in_b] == ["plain.weight"]

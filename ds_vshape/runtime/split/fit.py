@@ -48,22 +48,26 @@ class Group:
     cost: float
 
 
-def choose(groups: Sequence[Group], *, excess: int) -> list[int]:
+def choose(groups: Sequence[Group], *, excess: int, budget: float = math.inf) -> list[int]:
     """Indices of the groups to run in B so that at least ``excess`` bytes are freed, at little cost.
 
-    Greedy by bytes freed per cost, then the costliest picks that are not needed are dropped.
-    When every group together frees less than ``excess``, all of them (the caller warns).
+    Greedy by bytes freed per cost, skipping a group that would take the picks' cost past
+    ``budget``; then the costliest picks that are not needed are dropped. When the groups
+    within the budget free less than ``excess``, all of those (the caller warns).
     """
     if excess <= 0:
         return []
     order = sorted(range(len(groups)), key=lambda i: (-_ratio(groups[i]), i))
     picked: list[int] = []
-    freed = 0
+    freed, cost = 0, 0.0
     for i in order:
         if freed >= excess:
             break
+        if cost + groups[i].cost > budget:
+            continue
         picked.append(i)
         freed += groups[i].freed
+        cost += groups[i].cost
     for i in sorted(picked, key=lambda i: (-groups[i].cost, i)):
         if freed - groups[i].freed >= excess:
             picked.remove(i)
@@ -196,9 +200,13 @@ class WFit:
             run_now(lambda: store.run_now(unit, works))
 
     def after_backward_input(self, unit: tuple[int, int, int], *, share: float | None,
-                             run_now: Callable[[Callable[[], None]], None], rank: int) -> str | None:
+                             run_now: Callable[[Callable[[], None]], None], rank: int,
+                             max_moved: Callable[[], float] = lambda: 1.0) -> str | None:
         """Fit ``unit``'s parked work to ``share`` of its stage's forward, once per stage; the log
-        line that says what moved (None when nothing did). ``run_now(f)`` runs ``f`` as a W pass."""
+        line that says what moved (None when nothing did). ``run_now(f)`` runs ``f`` as a W pass.
+        ``max_moved()``: the largest share of the unit's movable weight-gradient work that may go
+        to B (``schedules.fit_limit``: beyond it the schedule falls behind 1F1B), asked only when
+        something must move."""
         stage = unit[0]
         if unit in self._early and stage in self._done:
             self._early.discard(unit)
@@ -210,10 +218,10 @@ class WFit:
         saved = self._saved.pop(stage)
         if share is None or share >= 1 or saved <= 0:  # 1: W keeps all it needs, however much (module doc)
             return None
-        return self._fit(unit, saved, share, run_now=run_now, where=f"rank {rank}, stage {stage}")
+        return self._fit(unit, saved, share, run_now=run_now, where=f"rank {rank}, stage {stage}", max_moved=max_moved)
 
-    def _fit(self, unit: tuple[int, int, int], saved: int, share: float, *,
-             run_now: Callable[[Callable[[], None]], None], where: str) -> str | None:
+    def _fit(self, unit: tuple[int, int, int], saved: int, share: float, *, run_now: Callable[[Callable[[], None]], None],
+             where: str, max_moved: Callable[[], float]) -> str | None:
         store, skip = self._store, self._store.param_storages
         works = store.parked_of(unit)
         kept = _unique_bytes(works, skip)
@@ -222,7 +230,9 @@ class WFit:
         if excess <= 0:
             return None
         groups = group_works(works, skip=skip)
-        moved = [w for i in choose([g for _, g in groups], excess=excess) for w in groups[i][0]]
+        limit = max_moved()
+        budget = limit * sum(g.cost for _, g in groups)
+        moved = [w for i in choose([g for _, g in groups], excess=excess, budget=budget) for w in groups[i][0]]
         params = list({id(p): p for w in moved for t in _targets(w) for p in params_behind(t, store)}.values())
         run_now(lambda: store.run_now(unit, moved))
         store.compute_in_b(params)
@@ -230,10 +240,16 @@ class WFit:
         after = _unique_bytes(store.parked_of(unit), skip)
         self.fitted[unit[0]] = (saved, kept, after)
         if after > share * saved:
-            warnings.warn(f"ds_vshape split backward ({where}): W keeps {after / saved:.2f} of what the forward saves even "
-                          f"with every GEMM's weight gradient in B, over pipeline.w_memory {share:g} that the schedule's "
-                          f"memory bound counts: raise w_memory to {math.ceil(after / saved * 100) / 100:.2f}",
+            why = ("with every GEMM's weight gradient in B" if limit >= 1 else
+                   f"with as much weight-gradient work in B as the schedule takes before it falls behind 1F1B "
+                   f"({limit:g} of it, simulated)")
+            warnings.warn(f"ds_vshape split backward ({where}): W keeps {after / saved:.2f} of what the forward saves {why}, "
+                          f"over pipeline.w_memory {share:g} that the schedule's memory bound counts, so this stage may hold "
+                          f"up to {(after - share * saved) / _KIB:.0f} KiB more per unit waiting for W than planned: set "
+                          f"w_memory to {math.ceil(after / saved * 100) / 100:.2f} (or 1) to have the schedule count it",
                           SplitBackwardWarning, stacklevel=3)
+        if not params:
+            return None
         modules = sorted({store.owner_of(p).split(" (")[0] for p in params})
         return (f"ds_vshape ({where}): split backward kept {kept / _KIB:.0f} KiB from B to W, {kept / saved:.3f} of the "
                 f"{saved / _KIB:.0f} KiB the forward saved, over pipeline.w_memory {share:g}; the weight gradients of "

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from .graph_linear import take_over
 from .in_b import matching, module_paths
 from .split_graph import inspect_outputs
 from .split_mode import DeferMode, RoutedCall, routing
@@ -221,6 +222,13 @@ class WeightGradStore:
         else:
             self._refs[ptr] = after
 
+    def capture(self, key: Hashable, work: ParkedWork) -> None:
+        """B reached a GEMM split on the graph (``graph_linear``): park its work; a fused backward runs it now."""
+        if key in self._deferring:
+            self.park(key, work)
+        else:
+            work.run()
+
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -337,9 +345,12 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
         for param in own:
             if id(param) not in store._param_ids:
                 store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
-        if own or mod is top:  # the stage's own modules too: a checkpoint re-run enters through them
-            # A module whose trainable parameters are all computed in B owns nothing W waits for.
-            _route_forward(mod, store, owner=any(p.requires_grad and not store.grad_in_b(p) for p in own))
+        # A module whose trainable parameters are all computed in B (a norm) owns nothing W waits for:
+        # it needs no hooks of its own (a whole forward is routed from outside, a checkpoint re-run enters
+        # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).
+        owner = any(p.requires_grad and not store.grad_in_b(p) for p in own)
+        if not take_over(mod, store) and (owner or mod is top):
+            _route_forward(mod, store, owner=owner)
         count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
         root.activation_checkpoint_func = _routed_checkpoint(root.activation_checkpoint_func, store)

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from .split_graph import IN_B, GraphStore, derived_kind, inspect_outputs
 from .split_ops import MatmulCall, OpCall, deferred_op, split_matmul
 
-__all__ = ["DeferMode", "RoutedCall", "RoutingStore", "routing"]
+__all__ = ["DeferMode", "RoutedCall", "RoutingStore", "param_like", "routing"]
 
 _BACKWARDS = {torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward}
 _GEMMS = frozenset([F.linear, torch.addmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm])
@@ -141,15 +141,16 @@ def _touches_params(store: RoutingStore, args: tuple[Any, ...], kwargs: dict[str
     found = False
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
-            found = _param_like(store, v) or found
+            found = param_like(store, v) or found
         elif isinstance(v, (list, tuple)):
             for t in v:
                 if isinstance(t, torch.Tensor):
-                    found = _param_like(store, t) or found
+                    found = param_like(store, t) or found
     return found
 
 
-def _param_like(store: RoutingStore, t: torch.Tensor) -> bool:
+def param_like(store: RoutingStore, t: torch.Tensor) -> bool:
+    """``t`` is a parameter or computed from parameters only (a custom Function's output is sorted here)."""
     if not t.requires_grad:
         return False
     if store.is_param_like(t):

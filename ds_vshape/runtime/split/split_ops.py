@@ -63,10 +63,19 @@ def accumulate(targets: list[torch.Tensor], grads: list[torch.Tensor | None]) ->
     A target computed from parameters (``w.t()``, ``w.to(bf16)``) may feed several operations;
     its small graph is kept for the next one's W.
     """
-    pairs = [(t, g.to(t.dtype)) for t, g in zip(targets, grads) if g is not None and t.requires_grad]
+    pairs = [(t, g if g.dtype == t.dtype else g.to(t.dtype)) for t, g in zip(targets, grads) if g is not None and t.requires_grad]
     if pairs:
         retain = any(not t.is_leaf for t, _ in pairs)
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=retain)
+        tensors, grads_ = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+        if _run_backward is None:
+            torch.autograd.backward(list(tensors), list(grads_), retain_graph=retain)
+        else:
+            # The engine itself: ``torch.autograd.backward`` re-checks every gradient's shape in Python,
+            # a cost per parameter that W would pay on every pass; these are computed to match.
+            _run_backward(tensors, grads_, retain, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+_run_backward: Callable[..., Any] | None = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 class _Internal:
@@ -118,7 +127,8 @@ def _weight_grads(kind: str, x: torch.Tensor | None, grad_out: torch.Tensor, *, 
     grad_w = None
     if want_w and x is not None:
         # In the gradient's dtype: under autocast the forward GEMM ran in it too.
-        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.dtype == g2.dtype else x2.to(g2.dtype)
         grad_w = g2.t().matmul(x2) if kind == "linear" else x2.t().matmul(g2)
     return grad_w, (g2.sum(0) if want_b else None)
 

@@ -1,0 +1,124 @@
+"""``nn.Linear`` split on autograd's own graph: no Python autograd node and no routing in its forward.
+
+The routing (``split_mode``) sends a GEMM through ``split_ops._SplitMatmul``, a Python
+``autograd.Function``: a forward under a ``TorchFunctionMode`` and a Python node per GEMM,
+host time that every pass a schedule adds pays again. For the common module, a plain
+``nn.Linear``, the split needs neither:
+
+* F runs ``F.linear`` on the weight detached, so autograd's native GEMM node gets no edge
+  to the weight: it computes the input's gradient (and the bias's, when B computes it)
+  and never the weight's. A pre-hook on that node sees the output gradient in B.
+* What W needs of the forward, the GEMM's input, is kept as autograd would keep it: handed
+  to the saved-tensor hooks active at the time (the activation meter, activation offload,
+  a non-reentrant checkpoint), unpacked when B reaches the node.
+* B's pre-hook parks the input and the output gradient as the same ``_MatmulWork`` the
+  routed path parks, so W, the ``w_memory`` fit and the offload of W's kept tensors see no
+  difference.
+
+A call that does not fit this shape takes the routed path as before: the first forward of a
+scope (routed whole, to find parameters used outside their modules), a weight computed in B
+(cheap, named by ``weight_grads_in_b``, moved there by the fit), an input that is itself
+computed from parameters or does not need a gradient, a weight ZeRO-3 partitions (its
+gathered data must not outlive the forward in a saved view). Only ``nn.Linear`` itself is
+taken over (``take_over``): a subclass may have a forward of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .split_mode import RoutingStore, param_like, routing
+from .split_ops import _MatmulWork
+
+__all__ = ["GraphLinearStore", "SplitLinear", "take_over"]
+
+
+class GraphLinearStore(RoutingStore, Protocol):
+    """What the graph split asks of the store, besides the routing's questions."""
+
+    def routed_whole(self) -> bool: ...
+
+    def enter_module(self, delta: int) -> None: ...
+
+    def capture(self, key: Hashable, work: _MatmulWork) -> None: ...
+
+
+class SplitLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward splits its backward on the graph when a split unit runs it."""
+
+    _ds_vshape_store: GraphLinearStore
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        store = self._ds_vshape_store
+        if store.current is None or store.is_suspended or not torch.is_grad_enabled():
+            return F.linear(input, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if not weight.requires_grad or store.grad_in_b(weight):
+            if bias is None or not bias.requires_grad or store.grad_in_b(bias):
+                return F.linear(input, weight, bias)  # every gradient is B's, by design
+        elif _graph_splits(store, input, weight):
+            return _graph_linear(store, input, weight, bias)
+        store.enter_module(+1)  # the routed path: this module owns the deferred parameter it consumes
+        try:
+            with routing(store):
+                return F.linear(input, weight, bias)
+        finally:
+            store.enter_module(-1)
+
+
+def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
+    """Make a plain ``nn.Linear`` a ``SplitLinear`` on ``store``; False for any other module."""
+    if type(mod) is SplitLinear:
+        return getattr(mod, "_ds_vshape_store", None) is store
+    if type(mod) is not nn.Linear:
+        return False
+    mod.__class__ = SplitLinear  # state, hooks and parameters stay; isinstance(mod, nn.Linear) holds
+    mod._ds_vshape_store = store  # type: ignore[assignment]
+    return True
+
+
+def _graph_splits(store: GraphLinearStore, x: Any, weight: torch.Tensor) -> bool:
+    if store.routed_whole() or not isinstance(x, torch.Tensor) or not x.requires_grad or x.dim() < 2:
+        return False
+    return not hasattr(weight, "ds_id") and not param_like(store, x)
+
+
+def _graph_linear(store: GraphLinearStore, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    bias_in_w = bias is not None and bias.requires_grad and not store.grad_in_b(bias)
+    out = F.linear(x, weight.detach(), bias.detach() if bias_in_w else bias)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    kept = x.detach()
+    if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
+        kept, unpack = hooks[0](kept), hooks[1]
+    else:
+        unpack = None
+    node = out.grad_fn
+    assert node is not None  # x needs a gradient, so the output has a node
+    node.register_prehook(_Capture(store, store.current, kept, unpack, weight, bias if bias_in_w else None))
+    return out
+
+
+class _Capture:
+    """B's pre-hook on the GEMM node: parks the weight's work with the output gradient arriving there."""
+
+    __slots__ = ("store", "key", "kept", "unpack", "weight", "bias")
+
+    def __init__(self, store: GraphLinearStore, key: Hashable, kept: Any, unpack: Callable[[Any], torch.Tensor] | None,
+                 weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.store, self.key, self.kept, self.unpack = store, key, kept, unpack
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grad_outputs[0]
+        kept, self.kept = self.kept, None  # from here the parked work holds it, not the node
+        if grad is None or kept is None:
+            return None
+        x = self.unpack(kept) if self.unpack is not None else kept
+        x = x.detach() if x.requires_grad else x  # a checkpoint's recomputed tensor may carry a graph
+        self.store.capture(self.key, _MatmulWork("linear", x, grad, self.weight, self.bias))
+        return None

@@ -1,0 +1,247 @@
+"""``nn.Linear`` split on autograd's graph (``graph_linear``): no Python node in F, the same gradients.
+
+After a scope's first (routed) forward, a plain ``nn.Linear`` runs its GEMM on the weight
+detached: autograd's native node computes the input's gradient in B, a pre-hook parks the
+weight's work, W computes it. Checked against a fused backward on real Hugging Face Llama
+blocks and on a small block: exact gradients, no custom autograd node in the graph, W's
+input kept through the saved-tensor hooks (meter, offload, checkpoint), and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.function import BackwardCFunction
+from torch.utils.checkpoint import checkpoint
+
+from ds_vshape.runtime.split.graph_linear import SplitLinear
+from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
+from ds_vshape.runtime.split.split_ops import _MatmulWork
+
+DIM = 8
+
+
+class Block(nn.Module):
+    """Two linears around a norm and a nonlinearity, with a residual; ``checkpointed``: non-reentrant."""
+
+    def __init__(self, *, bias: bool = True, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.norm = nn.Linear(DIM, 3 * DIM, bias=bias), nn.Linear(3 * DIM, DIM, bias=bias), nn.LayerNorm(DIM)
+        self.checkpointed = checkpointed
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False) if self.checkpointed else self.inner(x)
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _fused(module: nn.Module, xs: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    input_grads = []
+    for x in xs:
+        leaf = x.clone().requires_grad_()
+        module(leaf).square().sum().backward()
+        input_grads.append(leaf.grad)
+    return _grads(module), input_grads
+
+
+def _split(module: nn.Module, store: WeightGradStore, xs: list[torch.Tensor], *, hooks: Any = None) -> list[torch.Tensor]:
+    """F and B of every micro-batch first, then the Ws (as a zero-bubble schedule orders them)."""
+    input_grads = []
+    for key, x in enumerate(xs):
+        leaf = x.clone().requires_grad_()
+        with store.forward_of(key, scope="stage"), (hooks if hooks is not None else _null()):
+            out = module(leaf)
+        with store.deferring(key):
+            out.square().sum().backward()
+        input_grads.append(leaf.grad)
+    for key in range(len(xs)):
+        store.run(key)
+    return input_grads
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _custom_nodes(out: torch.Tensor) -> list[str]:
+    seen, todo, found = set(), [out.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, BackwardCFunction):
+            found.append(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _inputs(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 5, DIM, generator=gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("cheap_in_b", [True, False])
+def test_gradients_equal_a_fused_backward_and_w_does_the_weights(cheap_in_b: bool) -> None:
+    reference, split = Block(), Block()
+    store = WeightGradStore(cheap_in_b=cheap_in_b)
+    enable_split_backward([split], store)
+    assert type(split.fc1) is SplitLinear and isinstance(split.fc1, nn.Linear)
+    xs = _inputs(3)
+    want, want_in = _fused(reference, xs)
+    got_in = _split(split, store, xs)
+    got = _grads(split)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert store.pending() == [] and store.parked_bytes == 0
+
+
+def test_after_the_first_forward_the_graph_has_no_python_node_and_b_parks_gemm_work() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _split(block, store, _inputs(1))  # the scope's first forward: routed whole
+    block.zero_grad(set_to_none=True)
+    leaf = _inputs(1)[0].requires_grad_()
+    with store.forward_of(7, scope="stage"):
+        out = block(leaf)
+    assert _custom_nodes(out) == []  # native GEMM nodes only: no autograd.Function per linear
+    with store.deferring(7):
+        out.square().sum().backward()
+    works = store.parked_of(7)
+    assert [type(w) for w in works] == [_MatmulWork, _MatmulWork]  # fc2, then fc1: B's order
+    assert all(p.grad is None for n, p in block.named_parameters() if p.dim() == 2)  # weights wait for W
+    assert block.norm.weight.grad is not None and block.fc1.bias.grad is not None  # cheap ones are B's
+    store.run(7)
+    assert block.fc1.weight.grad is not None and block.fc2.weight.grad is not None
+
+
+def test_the_kept_input_goes_through_the_saved_tensor_hooks() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _split(block, store, _inputs(1))
+    block.zero_grad(set_to_none=True)
+    packed: list[int] = []
+    unpacked: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.untyped_storage().data_ptr())
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(t.untyped_storage().data_ptr())
+        return t
+
+    leaf = _inputs(1)[0].requires_grad_()
+    with store.forward_of(1, scope="stage"), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        hidden = block.fc1(leaf)
+    assert leaf.untyped_storage().data_ptr() in packed  # W's input, handed to the hooks like a saved tensor
+    with store.deferring(1):
+        hidden.sum().backward()
+    assert leaf.untyped_storage().data_ptr() in unpacked
+    store.run(1)
+    torch.testing.assert_close(block.fc1.weight.grad, torch.ones(3 * DIM, 2 * 5).matmul(leaf.detach().reshape(-1, DIM)))
+
+
+def test_a_non_reentrant_checkpoint_recomputes_and_stays_exact() -> None:
+    reference, split = Block(checkpointed=True), Block(checkpointed=True)
+    store = WeightGradStore()
+    enable_split_backward([split], store)
+    xs = _inputs(3)
+    want, _ = _fused(reference, xs)
+    _split(split, store, xs)
+    got = _grads(split)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_fused_backward_of_a_split_unit_computes_the_weights_at_once() -> None:
+    reference, split = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([split], store)
+    xs = _inputs(2)
+    want, _ = _fused(reference, xs)
+    for key, x in enumerate(xs):
+        with store.forward_of(key, scope="stage"):
+            out = split(x.clone().requires_grad_())
+        with store.backward_of(key, defer=False):
+            out.square().sum().backward()
+    assert store.pending() == []
+    for name, grad in _grads(split).items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_bf16_autocast_matches_the_routed_path() -> None:
+    routed, graph = Block(), Block()
+    stores = WeightGradStore(), WeightGradStore()
+    enable_split_backward([routed], stores[0])
+    enable_split_backward([graph], stores[1])
+    xs = _inputs(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _split(graph, stores[1], xs)  # the first forward routed, the second on the graph
+        stores[0]._modules_suffice.clear()
+        for key, x in enumerate(xs):  # every forward routed whole: the routed path throughout
+            stores[0]._modules_suffice.discard("stage")
+            _split_one(routed, stores[0], key, x)
+    for (name, a), b in zip(_grads(graph).items(), _grads(routed).values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _split_one(module: nn.Module, store: WeightGradStore, key: int, x: torch.Tensor) -> None:
+    with store.forward_of(key, scope="stage"):
+        out = module(x.clone().requires_grad_())
+    store._modules_suffice.discard("stage")
+    with store.deferring(key):
+        out.float().square().sum().backward()
+    store.run(key)
+
+
+def test_what_does_not_fit_the_graph_split_takes_the_routed_path() -> None:
+    class Own(nn.Linear):
+        """A subclass may have a forward of its own: never taken over."""
+
+    block = Block()
+    block.fc1 = Own(DIM, 3 * DIM)
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    assert type(block.fc1) is Own and type(block.fc2) is SplitLinear
+    _split(block, store, _inputs(1))
+    block.zero_grad(set_to_none=True)
+    constant = _inputs(1)[0]  # no gradient wanted for the input: the weight's GEMM is routed
+    with store.forward_of(3, scope="stage"):
+        out = block.fc2(torch.cat([constant, constant, constant], dim=-1))
+    assert [n.rsplit("Backward", 1)[0] for n in _custom_nodes(out)] == ["_SplitMatmul"]
+    with store.deferring(3):
+        out.sum().backward()
+    assert block.fc2.weight.grad is None
+    store.run(3)
+    assert block.fc2.weight.grad is not None
+
+
+def test_a_deep_copy_stays_split_on_its_own_store() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    twin = copy.deepcopy(block)
+    assert type(twin.fc1) is SplitLinear
+    other = WeightGradStore()
+    enable_split_backward([twin], other)
+    assert twin.fc1._ds_vshape_store is other or twin.fc1._ds_vshape_store is not store
