@@ -20,7 +20,7 @@ endif
 # DeepSpeed picks its accelerator at import time; tests run on the CPU.
 TEST_ENV := DS_ACCELERATOR=cpu
 
-.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload bench-real bench-split bench-w-memory clean-venv
+.PHONY: venv lock test-latest test test-unit test-distributed test-gpu train bench bench-seq bench-zero bench-auto bench-steady bench-offload bench-real bench-split bench-w-memory bench-host clean-venv
 
 venv: $(STAMP)
 
@@ -94,6 +94,14 @@ clean-venv:
 # (benchmarks/results/zero.md), 4 CPU ranks, about a minute.
 bench-zero: venv
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29533 benchmarks/bench_zero.py
+
+# Host cost where the host is the bottleneck (issue 28): the engine's per-instruction CPU against DeepSpeed's
+# PipelineEngine, and whole steps of every schedule against DeepSpeed 1F1B, at p=2 on the recipe's tiny Llama,
+# one core per rank (benchmarks/results/host_engine.md), about 3 minutes on 2 idle cores.
+bench-host: venv
+# (placeholder: the stage-level benchmark, benchmarks/host_stage.py, runs first here)
+	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/host_engine.jsonl
+	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --nproc_per_node 2 --master_port 29543 benchmarks/host_engine.py --out benchmarks/results/raw/host_engine.jsonl --md benchmarks/results/host_engine.md
 
 # Activation offload (pipeline.offload) on the recipe's Llama at p=4: device and host activation bytes per rank
 # against 1F1B (benchmarks/results/offload.md), 4 CPU ranks, about a minute.

@@ -18,6 +18,11 @@ sequences. Four ways of running one micro-batch, the same weights:
 
 The ways take turns rep by rep (the order rotating) with the garbage collector off; each pass's
 median over the reps. Ratios are against ``fused`` F+B (whole micro-batch) and ``forward`` (F).
+
+On a CUDA device (``--device cuda --dtype bf16``, with ``--hidden/--ffn/--heads/--kv-heads`` for
+Llama-3-8B-sized blocks: the GPU tier's ``tests/gpu/test_host_cost_gpu.py`` runs the issue's
+shapes) each pass also gets its device time (CUDA events around it; the host does not wait
+inside a micro-batch) and what W keeps: the bytes allocated at the end of B that W frees.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from recipes.train_hf import SIZES, seed_layer  # noqa: E402
 __all__ = ["WAYS", "Stage", "build", "main", "measure", "render"]
 
 WAYS = ("forward", "fused", "torch split", "ds_vshape")
+PASSES = ("F", "B", "W")
 SEED, VOCAB = 1234, 256
 Passes = dict[str, float]
 
@@ -66,25 +72,31 @@ class Stage:
     x0: tuple[Any, ...]
     grad: torch.Tensor
     key: int = 0
+    device: torch.device = torch.device("cpu")
 
     def inputs(self) -> tuple[Any, ...]:
         return (self.x0[0].detach().requires_grad_(), *self.x0[1:])
 
 
-def build(*, blocks: int, seq_len: int, micro_batch: int, size: str = "tiny") -> Stage:
-    """``blocks`` decoder blocks after the embedding of the recipe's Llama at ``size``."""
+def build(*, blocks: int, seq_len: int, micro_batch: int, size: str = "tiny", shape: tuple[int, int, int, int] | None = None,
+          device: str = "cpu", dtype: torch.dtype = torch.float32) -> Stage:
+    """``blocks`` decoder blocks after the embedding of the recipe's Llama at ``size``, or of ``shape``
+    (hidden, FFN, heads, KV heads), on ``device`` in ``dtype``."""
     from transformers import LlamaConfig
 
     hidden, _, heads, ffn = SIZES[size]
+    kv_heads = heads
+    if shape is not None:
+        hidden, ffn, heads, kv_heads = shape
     config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=blocks, num_attention_heads=heads,
-                         num_key_value_heads=heads, vocab_size=VOCAB, max_position_embeddings=max(seq_len, 128),
+                         num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=max(seq_len, 128),
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
     specs, _ = pipeline_layers(config, attn_implementation="sdpa")
     layers = []
     for index, spec in enumerate(specs[:blocks + 1]):
         seed_layer(SEED + index)
-        layers.append(spec.build())
-    ids = torch.randint(0, VOCAB, (micro_batch, seq_len), generator=torch.Generator().manual_seed(SEED))
+        layers.append(spec.build().to(device=device, dtype=dtype))
+    ids = torch.randint(0, VOCAB, (micro_batch, seq_len), generator=torch.Generator().manual_seed(SEED)).to(device)
     with torch.no_grad():
         x0 = layers[0](ids)
     stage = layers[1:]
@@ -92,8 +104,9 @@ def build(*, blocks: int, seq_len: int, micro_batch: int, size: str = "tiny") ->
     split = [copy.deepcopy(m) for m in stage]
     enable_split_backward(split, store)
     modules = {"forward": stage, "fused": stage, "torch split": [copy.deepcopy(m) for m in stage], "ds_vshape": split}
-    grad = torch.randn(_run(stage, x0).shape, generator=torch.Generator().manual_seed(SEED + 1))
-    return Stage(modules, store, x0, grad)
+    out = _run(stage, x0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(SEED + 1)).to(device=device, dtype=out.dtype)
+    return Stage(modules, store, x0, grad, device=torch.device(device))
 
 
 def _run(modules: list[nn.Module], x: Any) -> torch.Tensor:
@@ -102,34 +115,75 @@ def _run(modules: list[nn.Module], x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, tuple) else x
 
 
-def _timed(out: Passes, name: str, fn: Callable[[], Any]) -> Any:
-    start = time.perf_counter()
-    result = fn()
-    out[name] = time.perf_counter() - start
-    return result
+class _Clock:
+    """Host seconds per pass (what the host spends issuing it), and on CUDA the device's span (events)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: Passes = {}
+        self.events: dict[str, tuple[Any, Any]] = {}
+        self.kept = 0
+
+    def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        start = time.perf_counter()
+        result = fn()
+        self.host[name] = time.perf_counter() - start
+        if self.cuda:
+            end.record()
+            self.events[name] = (begin, end)
+        return result
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def finish(self) -> Passes:
+        """Host seconds per pass, with ``dev:<pass>`` device seconds and ``kept`` W's bytes on CUDA."""
+        out = dict(self.host)
+        if self.cuda:
+            torch.cuda.synchronize()
+            out.update({f"dev:{n}": b.elapsed_time(e) / 1e3 for n, (b, e) in self.events.items()})
+            out["kept"] = float(self.kept)
+        return out
 
 
 def run_way(stage: Stage, way: str) -> Passes:
-    """One micro-batch's passes in ``way``: seconds per pass."""
-    modules, times = stage.modules[way], {}
+    """One micro-batch's passes in ``way``: seconds per pass (and device seconds, W's bytes on CUDA)."""
+    modules, clock = stage.modules[way], _Clock(stage.device)
     x = stage.inputs()
+    start = time.perf_counter()
+    _passes(stage, way, modules, x, clock)
+    out = clock.finish()
+    out["wall"] = time.perf_counter() - start  # the micro-batch done, device included (it waited for it)
+    return out
+
+
+def _passes(stage: Stage, way: str, modules: list[nn.Module], x: tuple[Any, ...], clock: _Clock) -> None:
     if way == "ds_vshape":
         stage.key += 1
         key, store = stage.key, stage.store
         with store.forward_of(key, scope="stage"):
-            out = _timed(times, "F", lambda: _run(modules, x))
+            out = clock("F", lambda: _run(modules, x))
         with store.deferring(key):
-            _timed(times, "B", lambda: torch.autograd.backward(out, stage.grad))
-        _timed(times, "W", lambda: store.run(key))
-        return times
-    out = _timed(times, "F", lambda: _run(modules, x))
+            clock("B", lambda: torch.autograd.backward(out, stage.grad))
+        del out
+        before = clock.allocated()
+        clock("W", lambda: store.run(key))
+        clock.kept = before - clock.allocated()
+        return
+    out = clock("F", lambda: _run(modules, x))
     if way == "fused":
-        _timed(times, "B", lambda: torch.autograd.backward(out, stage.grad))
+        clock("B", lambda: torch.autograd.backward(out, stage.grad))
     elif way == "torch split":
         params = [p for m in modules for p in m.parameters()]
-        _, groups = _timed(times, "B", lambda: stage_backward_input([out], [stage.grad], [x[0]], iter(params)))
-        _timed(times, "W", lambda: stage_backward_weight(iter(params), groups))
-    return times
+        _, groups = clock("B", lambda: stage_backward_input([out], [stage.grad], [x[0]], iter(params)))
+        del out
+        before = clock.allocated()
+        clock("W", lambda: stage_backward_weight(iter(params), groups))
+        del groups
+        clock.kept = before - clock.allocated()
 
 
 def measure(stage: Stage, *, reps: int, warmup: int) -> dict[str, dict[str, float]]:
@@ -152,29 +206,37 @@ def measure(stage: Stage, *, reps: int, warmup: int) -> dict[str, dict[str, floa
     medians = {}
     for way, runs in samples.items():
         per = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
-        per["total"] = statistics.median(sum(r.values()) for r in runs)
+        per["host"] = statistics.median(sum(v for k, v in r.items() if k in PASSES) for r in runs)
         medians[way] = per
     return medians
 
 
 def render(medians: dict[str, dict[str, float]], *, setting: str, command: str) -> str:
-    fused = medians["fused"]["total"]
-    plain_f = medians["forward"]["F"]
-    lines = [
-        "# Host cost of one stage's passes (host-bound: tiny shapes, one thread)", "",
-        f"Measured on: {setting}.", f"Command: `{command}`", "",
-        "Median ms per pass; `x fused` is the way's F+B(+W) against the fused F+B, `F x plain` its forward "
-        "against the plain forward.", "",
-        "| way | F | B | W | F+B(+W) | x fused | F x plain |", "|---|--:|--:|--:|--:|--:|--:|",
-    ]
+    """The table: per way, host ms per pass (and device ms, W's bytes on CUDA), ratios to fused F+B and plain F."""
+    cuda = "dev:F" in medians["fused"]
+    fused, plain_f = medians["fused"]["wall"], medians["forward"]["F"]
+    head = "| way | F | B | W | host F+B(+W) | micro-batch | x fused | F x plain |"
+    lines = [f"# Host cost of one stage's passes ({'CUDA' if cuda else 'host-bound: tiny shapes, one thread'})", "",
+             f"Measured on: {setting}.", f"Command: `{command}`", "",
+             "Median ms per pass of the host's time (on the CPU, all of it)" + (", `dev` the device's span per pass, `W keeps` "
+             "what W frees (MiB)" if cuda else "") + "; `micro-batch`: its whole time, device included; `x fused` that "
+             "against fused F+B's, `F x plain` the way's forward against the plain forward.", "",
+             head + (" dev F | dev B | dev W | W keeps |" if cuda else ""),
+             "|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|--:|" if cuda else "")]
     for way in WAYS:
         m = medians[way]
-        cells = [f"{m[p] * 1e3:.3f}" if p in m else "-" for p in ("F", "B", "W")]
-        ratio = "-" if way == "forward" else f"{m['total'] / fused:.2f}x"
-        lines.append(f"| {way} | {' | '.join(cells)} | {m['total'] * 1e3:.3f} | {ratio} | {m['F'] / plain_f:.2f}x |")
-    ds = medians["ds_vshape"]
-    lines += ["", "Targets (issue 28 a): ds_vshape F+B+W <= 1.10x fused and below torch's split; F <= 1.05x a plain forward.",
-              f"Here: {ds['total'] / fused:.2f}x fused, torch's split {medians['torch split']['total'] / fused:.2f}x, "
+        cells = [f"{m[p] * 1e3:.3f}" if p in m else "-" for p in PASSES]
+        ratio = "-" if way == "forward" else f"{m['wall'] / fused:.2f}x"
+        row = f"| {way} | {' | '.join(cells)} | {m['host'] * 1e3:.3f} | {m['wall'] * 1e3:.3f} | {ratio} | {m['F'] / plain_f:.2f}x |"
+        if cuda:
+            dev = [f"{m['dev:' + p] * 1e3:.3f}" if "dev:" + p in m else "-" for p in PASSES]
+            row += f" {' | '.join(dev)} | {m['kept'] / 2**20:.1f} |" if "kept" in m and way in ("torch split", "ds_vshape") else \
+                f" {' | '.join(dev)} | - |"
+        lines.append(row)
+    ds, torch_split = medians["ds_vshape"], medians["torch split"]
+    lines += ["", "Targets (issue 28): on a CPU, ds_vshape's micro-batch <= 1.10x fused and below torch's split, F <= 1.05x "
+              "a plain forward; on a GPU <= 1.10x fused at 1024 tokens, <= 1.02x at 4096.",
+              f"Here: {ds['wall'] / fused:.2f}x fused, torch's split {torch_split['wall'] / fused:.2f}x, "
               f"F {ds['F'] / plain_f:.2f}x plain.", ""]
     return "\n".join(lines)
 
@@ -185,6 +247,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the recipe's model size")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("HIDDEN", "FFN", "HEADS", "KV_HEADS"),
+                        help="blocks of this shape instead of --size (Llama-3-8B: 4096 14336 32 8)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU tier's shapes")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the stage's parameters and activations")
     parser.add_argument("--reps", type=int, default=200, help="timed micro-batches per way")
     parser.add_argument("--warmup", type=int, default=20, help="untimed micro-batches per way first")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_stage.md", help="report path")
@@ -194,11 +260,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(SEED)
-    stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size,
+                  shape=tuple(args.shape) if args.shape else None, device=args.device, dtype=dtype)
     medians = measure(stage, reps=args.reps, warmup=args.warmup)
-    setting = (f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread, torch {torch.__version__}; "
-               f"{args.blocks} {args.size} Llama blocks (hidden {SIZES[args.size][0]}), micro-batch {args.micro_batch}x{args.seq_len} "
-               f"tokens, {args.reps} reps")
+    hidden = args.shape[0] if args.shape else SIZES[args.size][0]
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+             f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread")
+    setting = (f"{where}, torch {torch.__version__}, {args.dtype}; {args.blocks} Llama blocks of hidden {hidden}"
+               f"{' (FFN %d, %d heads, %d KV heads)' % tuple(args.shape[1:]) if args.shape else ''}, micro-batch "
+               f"{args.micro_batch}x{args.seq_len} tokens, median of {args.reps} reps")
     command = "OMP_NUM_THREADS=1 python benchmarks/host_stage.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = render(medians, setting=setting, command=command.strip())
     print(text)

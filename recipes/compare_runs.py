@@ -4,7 +4,9 @@
 
 Reads each ``--metrics-out`` JSONL file (one object per step) and, when present, the
 ``<name>.summary.json`` that train_hf.py writes next to it (schedule, simulated bubble,
-held-out loss). With exactly two runs a last column gives the second over the first.
+held-out loss). Each later run gets a column over the first. Step times and tokens/s are medians
+over the steps that ran without the activation meter (train_hf.py meters only the first and the
+last step: its hooks cost host time that stock DeepSpeed does not pay).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # run as a script from a plain checkout
+
+from recipes.cores import describe  # noqa: E402
 
 __all__ = ["Run", "load_run", "table", "main"]
 
@@ -42,17 +50,28 @@ def load_run(path: Path) -> Run:
         raise ValueError(f"{path} holds no steps")
     side = path.with_name(path.stem + ".summary.json")
     summary: dict[str, Any] = json.loads(side.read_text()) if side.exists() else {}
+    timed = _timed_rows(rows)
     return Run(
         name=summary.get("schedule", path.stem),
         steps=rows[-1]["step"],
         final_loss=rows[-1]["loss"],
-        median_step_s=statistics.median(r["step_time_s"] for r in rows),
-        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in rows),
+        median_step_s=statistics.median(r["step_time_s"] for r in timed),
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         sim_bubble_rate=summary.get("sim_bubble_rate"),
         val_loss=summary.get("val_loss"),
         peak_bytes=_peaks(rows),
-        setting={k: summary[k] for k in ("model", "size", "device", "world", "cores", "micro_batches") if k in summary},
+        setting={k: summary[k] for k in ("model", "size", "device", "world", "cores", "cpu_demand", "rank_cores", "micro_batches")
+                 if k in summary},
     )
+
+
+def _timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps the medians are taken over: those without the activation meter when there are any.
+
+    train_hf.py meters the first and the last step only (the meter's hooks cost host time that the
+    stock engine does not pay); rows written before it said so were all metered."""
+    plain = [r for r in rows if not r.get("metered", True)]
+    return plain or rows
 
 
 def _peaks(rows: list[dict[str, Any]]) -> tuple[int | None, ...]:
@@ -128,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def setting_line(runs: Sequence[Run]) -> str:
-    """What the step times measured: one core per rank shows idle time, shared cores hide it."""
+    """What the step times measured: ranks with cores of their own show idle time, shared cores hide it."""
     s = runs[0].setting
     if not s:
         return "measured on: unknown (no summary files next to the metrics)"
@@ -137,11 +156,9 @@ def setting_line(runs: Sequence[Run]) -> str:
             f"{world} ranks on {device}")
     if device != "cpu":
         return line
-    line += f" with {cores} cores"
-    if world and cores and world <= cores:
-        return line + ": one core per rank, so a rank's idle time (the bubble) is in the step time"
-    return (line + ": ranks share cores, so a rank's idle time is spent by another and the step time does not show "
-            "the bubble; compare the simulated bubble")
+    # Summaries written before the per-rank threads were recorded: one thread per rank, as the recipe sets.
+    rank_cores = s.get("rank_cores") or [1] * world
+    return line + describe(cores, s.get("cpu_demand") or sum(rank_cores), rank_cores)
 
 
 if __name__ == "__main__":

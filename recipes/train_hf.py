@@ -53,6 +53,7 @@ from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.schedules import Schedule, generate, get_info, simulate  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens, tokenizer_for  # noqa: E402
+from recipes.cores import CpuShare, cpu_share, this_rank  # noqa: E402
 
 __all__ = [
     "ByteTokenizer",
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out loss at the end")
     parser.add_argument("--pipeline-stages", type=int, metavar="P",
                         help="pipeline ranks (default: all); world size / P data-parallel replicas")
+    parser.add_argument("--meter-every-step", action="store_true",
+                        help="measure activation memory on every step (default: the first and the last; the meter's "
+                             "hooks cost host time, and metered steps stay out of the compared step times)")
     return deepspeed.add_config_arguments(parser)
 
 
@@ -154,6 +158,9 @@ class StepRecord:
     tokens_per_s: float
     lr: float
     peak_activation_bytes: list[int | None]
+    # The activation meter ran in this step: its saved-tensor hooks cost host time that the stock
+    # engine does not pay, so compare_runs.py leaves metered steps out of the medians.
+    metered: bool = True
 
 
 @dataclass
@@ -166,7 +173,9 @@ class RunSummary:
     model: str
     size: str = "tiny"
     world: int = 0  # processes of the job (pipeline ranks x data-parallel replicas)
-    cores: int = 0  # CPU cores of the machine (0: unknown), to say what the step times measured
+    cores: int = 0  # CPU cores the ranks may use on the most loaded machine (0: unknown), to say what the step times measured
+    cpu_demand: int = 0  # cores the ranks on that machine can keep busy together (their compute threads)
+    rank_cores: list[int] = field(default_factory=list)  # per rank: cores it can keep busy (recipes/cores.py)
     device: str = "cpu"
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -189,6 +198,13 @@ def gather_peaks(engine: Any) -> list[int | None]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
+
+
+def gather_cpu_share() -> CpuShare:
+    """Every rank's compute threads and CPU affinity, summed per machine (a collective)."""
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, this_rank())
+    return cpu_share(ranks)
 
 
 def schedule_of(engine: Any) -> tuple[str, Schedule]:
@@ -295,13 +311,13 @@ def setup(args: argparse.Namespace) -> Job:
     params = [p for p in module.parameters() if p.requires_grad]
     # The drop-in call: exactly what a deepspeed.initialize job passes (config via --deepspeed_config).
     engine, _, _, _ = ds_vshape.initialize(args=args, model=module, model_parameters=params)
-    if hasattr(engine, "measure_memory"):
-        engine.measure_memory = True  # the recipe reports every step's peak (costs some host time)
+    # The meter is switched on per step (run_steps): only on the steps that report memory.
     name, schedule = schedule_of(engine)
     # Predict with the same share of activation held until W that the schedule was planned for.
     kept = parse_pipeline_config(read_config(args)).w_memory
+    share = gather_cpu_share()
     summary = RunSummary(schedule=name, ranks=stages, micro_batches=engine.micro_batches, model=args.model,
-                         size=args.size, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0,
+                         size=args.size, cores=share.cores, cpu_demand=share.demand, rank_cores=list(share.rank_cores),
                          device=engine.device.type, world=world, peak_activation_bytes=[None] * world)
     describe_schedule(summary, schedule, kept_until_w=kept)
     return Job(engine, train_ids, val_ids, summary, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
@@ -327,10 +343,14 @@ def run_steps(job: Job, args: argparse.Namespace, start: int) -> None:
     bar = tqdm(total=args.steps, initial=start, disable=None, desc=job.summary.schedule, unit="step", dynamic_ncols=True) if rank == 0 else None
     tokens_per_step = job.micro * job.gas * args.seq_len * job.engine.dp_world_size
     for step in range(start + 1, args.steps + 1):
+        metered = args.meter_every_step or step in (start + 1, args.steps)
+        if hasattr(job.engine, "measure_memory"):  # stock DeepSpeed has no meter; its same steps count as metered
+            job.engine.measure_memory = metered
         t0 = time.perf_counter()
         loss = float(job.engine.train_batch(data).item())
         dt = time.perf_counter() - t0
-        record = StepRecord(step, loss, dt, tokens_per_step / dt, _lr(job.engine), gather_peaks(job.engine))
+        peaks = gather_peaks(job.engine) if metered else [None] * dist.get_world_size()
+        record = StepRecord(step, loss, dt, tokens_per_step / dt, _lr(job.engine), peaks, metered=metered)
         _log_step(record, bar, metrics, job.summary)
     if bar is not None:
         bar.close()
@@ -367,7 +387,8 @@ def _open_metrics(path: Path | None, rank: int, *, append: bool) -> Any:
 
 def _log_step(record: StepRecord, bar: Any, metrics: Any, summary: RunSummary) -> None:
     # The summary reports the last step's peaks: the first step can differ (warm-up allocations).
-    summary.peak_activation_bytes = record.peak_activation_bytes
+    if record.metered:
+        summary.peak_activation_bytes = record.peak_activation_bytes
     summary.steps.append(record.step)
     summary.losses.append(record.loss)
     summary.step_times_s.append(record.step_time_s)

@@ -19,12 +19,15 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Kind, Schedule
+from ..schedules.first_contact import contact_pairs, warm_up_peers
+from ..schedules.fit_limit import moved_share_limit
 from ..schedules.lowering import programs
 from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
 from .transfers.comm import P2P
+from .transfers.device import waits_on_stream
 from .transfers.handlers import TransferHandlersMixin, stage_tensors
 from .transfers.p2p_groups import neighbour_pairs, pair_groups
 from .measuring.memory import ActivationMeter
@@ -44,7 +47,7 @@ log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 Unit = tuple[int, int, int]
 
 
-class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin, PipelineEngine):
+class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin, ckpt.AtomicSaveMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
     def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
@@ -86,6 +89,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self.peak_inflight_bytes = 0
         self._seq = SeqChunks(self.stage_id, partition=seq_partition, dims=seq_dims)
         self._p2p = self._make_p2p(p2p_timeout_s)
+        self._p2p.warm_up(warm_up_peers(contact_pairs(programs(schedule)), self.stage_id))  # NCCL first contacts, one global order
         self._zero_reducer = self._stage_grad_reducer()
         self._init_step(post_validation=post_validation, speculate_after=speculate_after)
         self._train_ir = self._ir(self.schedule)
@@ -106,7 +110,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
             global_rank_of=[self.grid.stage_to_global(stage_id=r) for r in range(self.num_stages)], groups=groups,
             device=self.device, timeout_s=timeout_s, my_rank=self.stage_id,
             dynamic_shape=bool(self.dynamic_shape) or self._seq.unequal,  # unequal chunks: shapes with every transfer
-            stream_waits=dist.get_backend() == "nccl",
+            stream_waits=waits_on_stream(self.device),
         )
 
     def _check_schedule(self, schedule: Schedule) -> None:
@@ -264,7 +268,8 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         with self._store.deferring(unit):
             self._backward(stage, micro_batch, seq_chunk, buffer_id)
         fitted = self._fit.after_backward_input(unit, share=self.schedule.params.get("w_memory"), rank=self.stage_id,
-                                                run_now=lambda run: self._weight_pass(stage, micro_batch, run))
+                                                run_now=lambda run: self._weight_pass(stage, micro_batch, run),
+                                                max_moved=self._fit_limit)
         if fitted:
             log.info(fitted)
         # What W keeps may go to host; what the previous stage and later chunks still read stays.
@@ -274,6 +279,13 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
     def _exec_backward_weight(self, stage: int, micro_batch: int, seq_chunk: int, peer: Any, buffer_id: int) -> None:
         self._offload.before_pass(Kind.W, (stage, micro_batch, seq_chunk))
         self._weight_pass(stage, micro_batch, lambda: self._store.run((stage, micro_batch, seq_chunk)))
+
+    def _fit_limit(self) -> float:
+        """How much W work the fit may move into B before this schedule falls behind 1F1B (simulated once)."""
+        cached = getattr(self, "_fit_limit_of", None)
+        if cached is None or cached[0] is not self.schedule:
+            cached = self._fit_limit_of = (self.schedule, moved_share_limit(self.schedule))
+        return cached[1]
 
     def _weight_pass(self, stage: int, micro_batch: int, run: Callable[[], None]) -> None:
         """``run`` accumulates parked weight gradients: a W pass, or B's share of one (``WFit``)."""

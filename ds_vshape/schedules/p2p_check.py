@@ -21,12 +21,17 @@ Two checks over every rank's ops (``programs``):
 ``communicator`` says which stream a rank uses for a peer; ``world_communicator`` (every
 transfer on one group, as DeepSpeed's world group would be) shows the orders that pair
 groups make safe.
+
+``first_contact=True`` adds NCCL's connection rule (``first_contact`` module): a rank's first
+operation with a peer on a stream blocks its host until that peer's host reaches its own
+first operation with it there. ``connected`` names the pairs of ranks already connected on
+their stream (the runtime's warm-up at initialize connects every pair the programs use).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .ops import POSTS, SENDS, WAITS, Op, OpKind
@@ -50,10 +55,14 @@ def world_communicator(rank: int, peer: int) -> Hashable:
 _TAIL = frozenset({OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP})
 
 
-def check_transfers(programs: Sequence[Sequence[Op]], *, communicator: Communicator = pair_communicator) -> None:
+def check_transfers(programs: Sequence[Sequence[Op]], *, communicator: Communicator = pair_communicator,
+                    first_contact: bool = False, connected: Iterable[tuple[int, int]] = ()) -> None:
     """Raise ``TransferOrderError`` naming the ranks and operations when a rule is broken."""
     _check_mirror(programs)
-    _Run(programs, communicator).run()
+    run = _Run(programs, communicator, first_contact=first_contact)
+    for a, b in connected:
+        run.connected |= {(a, b, communicator(a, b)), (b, a, communicator(b, a))}
+    run.run()
 
 
 def _pair_ops(ops: Sequence[Op], peer: int) -> list[tuple[str, tuple]]:
@@ -94,6 +103,9 @@ class _Run:
     received: set[tuple[int, tuple]] = field(default_factory=set)
     shapes_pending: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (rank, peer) -> header receive
     held: dict[int, tuple[int, _Entry]] = field(default_factory=dict)  # rank -> (peer, post issued with the next send)
+    first_contact: bool = False
+    connected: set[tuple[int, int, Hashable]] = field(default_factory=set)  # (rank, peer, stream) past first contact
+    contacting: dict[int, tuple[int, Hashable]] = field(default_factory=dict)  # rank -> (peer, stream) its host waits at
 
     def run(self) -> None:
         self.host = [0] * len(self.programs)
@@ -119,9 +131,21 @@ class _Run:
         if op.kind in WAITS:
             return (r, op.transfer) in self.received
         if op.kind in SENDS | POSTS:
-            return (r, op.peer) not in self.shapes_pending
+            return (r, op.peer) not in self.shapes_pending and self._contact(r, op.peer)
         if op.kind in _TAIL:
             return all(self._at_tail(q) for q in range(len(self.programs)))
+        return True
+
+    def _contact(self, r: int, peer: int) -> bool:
+        """Under the first-contact rule: whether ``r`` may issue to ``peer`` now (both hosts met)."""
+        stream = self.communicator(r, peer)
+        if not self.first_contact or (r, peer, stream) in self.connected:
+            return True
+        self.contacting[r] = (peer, stream)
+        if self.contacting.get(peer) != (r, stream):
+            return False
+        self.connected |= {(r, peer, stream), (peer, r, stream)}
+        del self.contacting[r], self.contacting[peer]
         return True
 
     def _at_tail(self, q: int) -> bool:
@@ -172,6 +196,10 @@ class _Run:
         lines = ["the transfers deadlock under NCCL's rules (issue order per communicator stream, rendezvous):"]
         for r in stuck:
             lines.append(f"  rank {r} waits at op {self.host[r]}: {self.programs[r][self.host[r]]}")
+            if r in self.contacting:
+                peer, stream = self.contacting[r]
+                lines.append(f"    its host is blocked in first contact with rank {peer} on stream {stream} "
+                             f"(until rank {peer} makes its own first call with rank {r} there)")
         for (r, comm), queue in sorted(queued.items(), key=str):
             head = ", ".join(f"{e.kind} {e.transfer} with rank {e.peer}" for e in queue[0] if not e.done)
             lines.append(f"  rank {r} on stream {comm}: {len(queue)} queued, first: {head}")

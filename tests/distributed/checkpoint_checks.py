@@ -4,15 +4,22 @@
 sizes) sharing one directory: phase k loads phase k-1's checkpoint (optimizer, scheduler, step
 included), trains 3 steps, saves; each compares with a plain model trained 3(k+1) steps with
 torch's AdamW and the same WarmupLR. The other cases save and load within one launch and
-record what the load did or the refusal it gave. test_checkpoints.py asserts on the results.
+record what the load did or the refusal it gave; ``damaged`` saves twice and loads damaged copies
+of its newer tag. test_checkpoints.py asserts on the results.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import shutil
+import signal
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.lr_schedules import WarmupLR
 from torch import nn
@@ -143,6 +150,96 @@ def _run_zero1(case: dict[str, Any]) -> dict[str, Any]:
             "loaded_global_steps": loader.global_steps}
 
 
+# Copies of the newest tag t2, each damaged one way (by rank 0, while the others wait).
+DAMAGED = ("cut", "missing", "truncated", "flipped", "foreign", "version")
+
+
+def _damage(root: str) -> None:
+    t1, t2 = os.path.join(root, "t1"), os.path.join(root, "t2")
+    for name in DAMAGED:
+        tag = os.path.join(root, name)
+        shutil.copytree(t2, tag)
+        os.utime(os.path.join(tag, "vs_layout.json"), (0, 0))  # older than t2: t2 stays the newest finished tag
+    # A save cut off after rank 0's files: no layout file yet, the marker still there, rank 1's file never written.
+    os.unlink(os.path.join(root, "cut", "vs_layout.json"))
+    open(os.path.join(root, "cut", "vs_saving"), "w").close()
+    os.unlink(os.path.join(root, "cut", "vs_optim_pp_rank_01.pt"))
+    os.unlink(os.path.join(root, "missing", "vs_optim_pp_rank_01.pt"))  # a rank's file lost (or never copied)
+    os.truncate(os.path.join(root, "truncated", "layer_05-model_states.pt"), 100)
+    with open(os.path.join(root, "flipped", "mp_rank_00_model_states.pt"), "r+b") as fh:
+        fh.seek(os.path.getsize(fh.name) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    shutil.copy(os.path.join(t1, "layer_02-model_states.pt"), os.path.join(root, "foreign"))  # same size, other weights
+    path = os.path.join(root, "version", "vs_layout.json")
+    with open(path) as fh:
+        layout = json.load(fh)
+    with open(path, "w") as fh:
+        json.dump(dict(layout, format="ds_vshape.checkpoint/99"), fh)
+
+
+def _on_rank0(fn: Any) -> None:
+    if dist.get_rank() == 0:
+        fn()
+    dist.barrier()
+
+
+def _run_damaged(case: dict[str, Any]) -> dict[str, Any]:
+    """Two atomic saves; damaged copies of the newer one are refused on every rank before anything loads."""
+    m, root = case["m"], case["dir"]
+    engine, _ = _engine(dict(case, schedule="1f1b"))
+    it = iter(_data(case, 3, m))
+    for tag in ("t1", "t2"):
+        engine.train_batch(it)
+        engine.save_checkpoint(root, tag=tag)
+    engine.train_batch(it)  # step 3, not saved: a resume goes back to step 2
+    with open(os.path.join(root, "latest")) as fh:
+        result: dict[str, Any] = {"latest": fh.read()}
+    with open(os.path.join(root, "t2", "vs_layout.json")) as fh:
+        result["recorded"] = sorted(json.load(fh)["files"])
+    result["leftovers"] = sorted(n for n in os.listdir(os.path.join(root, "t2")) if n not in result["recorded"])
+    _on_rank0(lambda: _damage(root))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    result["refused"] = {name: _refusal(lambda: engine.load_checkpoint(root, tag=name)) for name in DAMAGED}
+    _on_rank0(lambda: open(os.path.join(root, "latest"), "w").write("missing"))  # as a save without the commit left it
+    result["refused"]["latest"] = _refusal(lambda: engine.load_checkpoint(root))
+    result["untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    _on_rank0(lambda: open(os.path.join(root, "latest"), "w").write("t2"))  # "cut" came after: latest still names t2
+    result["resume_error"] = _refusal(lambda: engine.load_checkpoint(root))
+    result["resumed_step"] = engine.global_steps
+    return result
+
+
+def _run_killed(case: dict[str, Any]) -> dict[str, Any]:
+    """Save t1; in the save of t2, the killed rank dies by SIGKILL right after writing its optimizer file."""
+    from ds_vshape.runtime.dropin import checkpoint
+
+    m, root, rank = case["m"], case["dir"], dist.get_rank()
+    os.makedirs(os.path.join(root, "pids"), exist_ok=True)
+    with open(os.path.join(root, "pids", str(rank)), "w") as fh:
+        fh.write(str(os.getpid()))  # the test checks that no rank outlives the launch
+    engine, _ = _engine(dict(case, schedule="1f1b"))
+    it = iter(_data(case, 2, m))
+    engine.train_batch(it)
+    engine.save_checkpoint(root, tag="t1")
+    engine.train_batch(it)
+    if rank == case["killed_rank"]:
+        write = checkpoint.save_torch
+
+        def write_then_die(obj: Any, path: str) -> None:
+            write(obj, path)
+            if os.path.basename(os.path.dirname(path)) == "t2":
+                with open(os.path.join(root, "killed_at"), "w") as fh:
+                    fh.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint.save_torch = write_then_die
+    engine.save_checkpoint(root, tag="t2")
+    return {"survived": True}  # not reached: the killed rank dies, the launcher stops the others
+
+
 def run_checkpoint_case(case: dict[str, Any]) -> dict[str, Any]:
     kind = case["ckpt_case"]
-    return {"chain": _run_chain, "stock": _run_stock, "zero1": _run_zero1}[kind](case)
+    cases = {"chain": _run_chain, "stock": _run_stock, "zero1": _run_zero1, "damaged": _run_damaged, "killed": _run_killed}
+    return cases[kind](case)

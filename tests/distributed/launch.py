@@ -32,14 +32,16 @@ def default_mode() -> str | None:
 
 
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
-           nccl: bool | str | None = None, backend: str = "gloo") -> list[dict[str, Any]]:
+           nccl: bool | str | None = None, backend: str = "gloo", first_contact: bool | None = None) -> list[dict[str, Any]]:
     """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
 
     ``nccl="eager"`` or ``"lazy"`` runs the ranks under tests/distributed/nccl_emulation: gloo
     with NCCL's rules (one ordered queue per communicator, tags ignored, rendezvous sends) in
     that init mode; ``nccl=True`` means "eager" (DeepSpeed's mode on GPUs). ``backend="nccl"``
     is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's accelerator left to
-    detect CUDA.
+    detect CUDA. ``first_contact=True`` adds the emulation's first-contact rule (a rank's first
+    p2p call with a peer blocks until the peer's first call with it); None leaves the env's
+    ``DS_VSHAPE_NCCL_FIRST_CONTACT`` as it is (off when unset).
     """
     if nccl is None:  # users run NCCL: every engine test obeys its rules unless it says otherwise
         nccl = default_mode() if backend == "gloo" else False
@@ -55,6 +57,8 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
     if mode:
         env["DS_VSHAPE_NCCL_EMULATION"] = mode
+    if first_contact is not None:
+        env["DS_VSHAPE_NCCL_FIRST_CONTACT"] = "1" if first_contact else "0"
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]

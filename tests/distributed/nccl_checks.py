@@ -1,10 +1,12 @@
 """Self-checks of the NCCL emulation (tests/distributed/nccl_emulation) on 4 real gloo ranks.
 
 Run from worker.py. ``run_stock_control`` trains stock DeepSpeed 1F1B (``deepspeed.initialize``
-on a ``deepspeed.pipe.PipelineModule``, no ds_vshape) with the emulation off, eager or lazy.
+on a ``deepspeed.pipe.PipelineModule``, no ds_vshape) with the emulation off, eager or lazy, and
+with the first-contact rule where the case asks (``case["first_contact"]``).
 ``run_nccl_selfcheck`` shows that the emulation behaves as torch's ProcessGroupNCCL: what one
 queue per communicator holds back, what a batch lets through, where lazy init's pair
-communicators part ways. Each check returns what it saw; the pytest side asserts. Every check
+communicators part ways, what a first contact blocks and how a warm-up in one order avoids it.
+Each check returns what it saw; the pytest side asserts. Every check
 uses fresh process groups, so a communicator one wedges (as NCCL would) stays out of the
 others' way; the wedging checks run last, and this case must be the launch's last.
 """
@@ -12,6 +14,7 @@ others' way; the wedging checks run last, and this case must be the launch's las
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable
 
 import torch
@@ -20,10 +23,12 @@ import torch.distributed as dist
 import deepspeed
 import deepspeed.comm as ds_comm
 
+from ds_vshape.runtime.transfers.comm import P2P as PipelineTransfers
+from ds_vshape.schedules.first_contact import warm_up_peers
 from tests.distributed import nccl_emulation
 from tests.distributed.worker import _build, _config, _data, _param_diff, _reference
 
-__all__ = ["HELD", "run_nccl_selfcheck", "run_stock_control"]
+__all__ = ["FIRST_CALL_S", "HELD", "run_nccl_selfcheck", "run_stock_control"]
 
 BIG = 1 << 22  # 16 MiB of float32: far past any eager-send threshold
 WAIT_S = 20.0  # for ops that must complete
@@ -35,14 +40,19 @@ HELD = {("eager", "unbatched", "same"): True, ("eager", "batched", "same"): True
         ("lazy", "unbatched", "same"): False, ("lazy", "batched", "same"): True,
         **{(mode, kind, "two"): False for mode in ("eager", "lazy") for kind in ("unbatched", "batched")}}
 DEADLOCK_S = 3.0  # the emulation's timeout in the wedging checks
+FIRST_CALL_S = 1.0  # how long after rank 0's first call rank 1 makes its own
 
 
 def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
-    """Stock DeepSpeed 1F1B under ``case["emulation"]`` ("off", "eager", "lazy") vs the reference."""
+    """Stock DeepSpeed 1F1B under ``case["emulation"]`` ("off", "eager", "lazy") vs the reference.
+
+    ``case["first_contact"]`` turns the first-contact rule on or off (None: the env's); stock
+    DeepSpeed's transfers share the world group, so a case under the rule must come before any
+    other emulated case of its mode in the launch, or its pairs are connected already."""
     if case["emulation"] == "off":
         nccl_emulation.uninstall()
     else:
-        nccl_emulation.install(mode=case["emulation"])
+        nccl_emulation.install(mode=case["emulation"], first_contact=case.get("first_contact"))
     p, m, steps = case["p"], case["m"], case.get("steps", 2)
     model, ref, loss_fn = _build(case, p)
     engine, *_ = deepspeed.initialize(model=model, config=_config(dict(case, schedule=None), m))
@@ -50,6 +60,7 @@ def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     return {"installed": nccl_emulation.installed(), "mode": nccl_emulation.mode(), "losses": losses,
+            "first_contact_rule": nccl_emulation.first_contact(),
             "ref_losses": _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case["clip"]),
             "param_diff": _param_diff(engine, ref, case)}
 
@@ -174,6 +185,55 @@ def _collective_behind(me: int, groups: Callable[[list[int]], Any], *, batched: 
     return result
 
 
+def _first_call_blocks(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
+    """(g) Rank 0's first call with rank 1 on a fresh group returns only once rank 1 made its own
+    (rank 1 calls FIRST_CALL_S after rank 0); its second call, the pair connected, returns at once."""
+    pair = groups([0, 1])
+    took: list[float] = []
+    works: list[Any] = []
+    for _ in range(2):
+        _sync()
+        if me == 0:
+            start = time.monotonic()
+            works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
+            took.append(time.monotonic() - start)
+        elif me == 1:
+            time.sleep(FIRST_CALL_S)
+            works.append(_post("send", torch.ones(2), 0, pair, batched=True))
+    return {"took": took, "errors": [_completes(w, WAIT_S) for w in works]} if me < 2 else None
+
+
+def _cycle_of_first_receives(me: int, groups: Callable[[list[int]], Any], *, warm_up: bool,
+                             wait_s: float) -> dict[str, Any] | None:
+    """(h) Ranks 0-2, one group per pair: each first posts a receive from the rank before it in a
+    cycle, then sends to the rank after it. Without a warm-up, each first call waits for a peer
+    that is waiting in its own; after the runtime's warm-up in one global order, it completes."""
+    links = {pair: groups(list(pair)) for pair in ((0, 1), (0, 2), (1, 2))}
+    if me == 3:
+        return None
+    mine = {b if a == me else a: group for (a, b), group in links.items() if me in (a, b)}
+    prev, nxt = (me - 1) % 3, (me + 1) % 3
+    try:
+        if warm_up:
+            PipelineTransfers(global_rank_of=[0, 1, 2], groups=mine, device=torch.device("cpu"), timeout_s=wait_s,
+                              my_rank=me).warm_up(warm_up_peers(links, me))
+        buf = torch.zeros(2)
+        recv = _post("recv", buf, prev, mine[prev], batched=True)
+        send = _post("send", torch.full((2,), float(me)), nxt, mine[nxt], batched=True)
+        return {"error": _completes(recv, wait_s) or _completes(send, wait_s), "received": buf.tolist()}
+    except RuntimeError as err:  # the emulation raises in the blocked first call
+        return {"error": str(err)}
+
+
+def _under_first_contact(mode: str, timeout_s: float, check: Callable[[], Any]) -> Any:
+    """Run ``check`` with the first-contact rule on (every rank switches at the same point)."""
+    nccl_emulation.install(mode=mode, timeout_s=timeout_s, first_contact=True)
+    try:
+        return check()
+    finally:
+        nccl_emulation.install(mode=mode, timeout_s=timeout_s, first_contact=False)
+
+
 _SYNC: Any = None
 
 
@@ -198,7 +258,7 @@ def _run(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """The checks that leave no communicator wedged."""
-    nccl_emulation.install(mode=mode, timeout_s=WAIT_S)
+    nccl_emulation.install(mode=mode, timeout_s=WAIT_S, first_contact=False)  # these checks cross first calls on purpose
     checks: dict[str, Callable[[], Any]] = {}
     if me < 2:
         checks.update(tags=lambda: _tags_ignored(me), batch=lambda: _batch_work(me))
@@ -213,19 +273,24 @@ def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[st
         checks["collective-unbatched"] = functools.partial(_collective_behind, me, groups, batched=False, expect_held=False)
     if me >= 2:  # every rank runs as many checks (each ends in a _sync)
         checks = {"tags": lambda: None, "batch": lambda: None, **checks}
+    checks["first-call"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _first_call_blocks(me, groups))
+    checks["warmed-cycle"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _cycle_of_first_receives(
+        me, groups, warm_up=True, wait_s=WAIT_S))
     return _run(checks)
 
 
 def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """The checks that wedge a communicator for good (timeouts, short)."""
     _sync()
-    nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S)
+    nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S, first_contact=False)
     pairs = groups([0, 1]), groups([2, 3])
     checks: dict[str, Callable[[], Any]] = {
         "crossed": functools.partial(_crossed, me, me ^ 1, pairs[me // 2], send_first=me < 2, size=BIG if me < 2 else 4)}
     if mode == "lazy":
         checks["header"] = functools.partial(_header_meets, me, groups, wait_s=DEADLOCK_S)
     checks["collective"] = functools.partial(_collective_behind, me, groups, batched=mode == "lazy", expect_held=True)
+    checks["cycle"] = functools.partial(_under_first_contact, mode, DEADLOCK_S, lambda: _cycle_of_first_receives(
+        me, groups, warm_up=False, wait_s=DEADLOCK_S))
     return _run(checks)
 
 

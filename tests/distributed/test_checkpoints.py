@@ -4,15 +4,22 @@ The resume chain of issue 10: AdamW with weight decay and DeepSpeed's WarmupLR, 
 for 3 steps, save; 1f1b at p=2 loads it, 3 steps, save; zb-h1 at p=4 loads that, 3 steps.
 Each launch is a separate torchrun (4, 2, 4 ranks) on one shared directory; each link
 compares its losses, parameters and Adam moments with a plain model trained from the start
-(fp32, 1e-5). The 2-rank launch also runs the stock-DeepSpeed and refusal cases.
+(fp32, 1e-5). The 2-rank launch also runs the stock-DeepSpeed and refusal cases, and the
+damaged-checkpoint case: a save cut off, a missing rank's file, cut-off, changed and foreign
+files and a layout file of another version, each refused on every rank before anything loads.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ds_vshape.runtime.dropin.integrity import tag_problems
+from ds_vshape.runtime.dropin.layout_file import CheckpointError, read_layout
 
 from .launch import launch
 
@@ -31,7 +38,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
                   "dir": chain_dir}]
         if p == 2:  # the other cases ride along with the 2-rank launch
             cases += [{"name": "stock", "ckpt_case": "stock", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "stock")},
-                      {"name": "zero1", "ckpt_case": "zero1", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "zero1")}]
+                      {"name": "zero1", "ckpt_case": "zero1", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "zero1")},
+                      {"name": "damaged", "ckpt_case": "damaged", "p": 2, "m": 4, "dir": str(tmp / "damaged")}]
         per_rank = launch(cases, p, tmp / f"launch{phase}")
         out.update({name: [r[name] for r in per_rank] for name in per_rank[0]})
     return out
@@ -98,3 +106,65 @@ def test_a_different_layer_count_is_refused(results: dict) -> None:
     for rank, res in enumerate(results["zero1"]):
         msg = res["layers_refused"]
         assert msg is not None and "8 layers" in msg and "has 10" in msg, f"rank {rank}: {msg!r}"
+
+
+def test_a_save_records_every_file_and_names_itself_latest_last(results: dict) -> None:
+    for rank, res in enumerate(results["damaged"]):
+        assert "error" not in res, res
+        assert res["latest"] == "t2" and res["leftovers"] == ["vs_layout.json"], f"rank {rank}: {res}"
+        assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "vs_optim_pp_rank_00.pt",
+                "vs_optim_pp_rank_01.pt", "layer_00-model_states.pt", "layer_07-model_states.pt"} <= set(res["recorded"])
+
+
+@pytest.mark.parametrize(
+    ("copy", "needles"),
+    [
+        ("cut", ["cut cannot be loaded", "the save of this tag did not finish", "vs_saving"]),
+        ("missing", ["vs_optim_pp_rank_01.pt is missing (the save wrote"]),
+        ("truncated", ["layer_05-model_states.pt has 100 bytes where the save wrote"]),
+        ("flipped", ["mp_rank_00_model_states.pt differs from what the save wrote"]),
+        ("foreign", ["layer_02-model_states.pt", "another checkpoint's file"]),
+        ("version", ["vs_layout.json has format 'ds_vshape.checkpoint/99'", "with the ds_vshape version that wrote it"]),
+        ("latest", ["missing cannot be loaded", "vs_optim_pp_rank_01.pt is missing"]),  # latest names a damaged tag
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(results: dict, copy: str, needles: list[str]) -> None:
+    for rank, res in enumerate(results["damaged"]):
+        msg = res["refused"][copy]
+        assert msg is not None and msg.startswith(f"CheckpointError: rank {rank}: checkpoint "), f"rank {rank}: {msg!r}"
+        for needle in needles + ["Nothing was loaded, on any rank", "tag='t2'"]:
+            assert needle in msg, f"{copy} rank {rank}: {needle!r} not in {msg!r}"
+
+
+def test_after_the_refusals_nothing_changed_and_the_last_finished_tag_resumes(results: dict) -> None:
+    for rank, res in enumerate(results["damaged"]):
+        assert res["untouched"] and res["resume_error"] is None and res["resumed_step"] == 2, f"rank {rank}: {res}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_path: Path) -> None:
+    """Rank 1 dies by SIGKILL in the save of t2, right after writing its optimizer file; the launcher stops rank 0."""
+    root = tmp_path / "killed"
+    case = {"name": "killed", "ckpt_case": "killed", "p": 2, "m": 4, "dir": str(root), "killed_rank": 1}
+    with pytest.raises(RuntimeError, match="torchrun exited"):
+        launch([case], 2, tmp_path / "launch", timeout=120)
+    took = time.time() - float((root / "killed_at").read_text())
+    pids = [int((root / "pids" / str(r)).read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), f"ranks still running: {pids}"
+    assert took < 30, f"the launch ended {took:.0f} s after the kill"
+    assert (root / "latest").read_text() == "t1"
+    assert (root / "t2" / "vs_optim_pp_rank_01.pt").is_file() and not (root / "t2" / "vs_layout.json").exists()
+    with pytest.raises(CheckpointError, match="did not finish"):
+        read_layout(str(root / "t2"))
+    saved, found = tag_problems(str(root / "t1"), rank=0, world=1)  # every file of t1 as its save recorded it
+    assert saved is not None and saved.files and found == [], found

@@ -2,14 +2,18 @@
 checks, the control, every ds_vshape schedule.
 
 The emulation launch (4 ranks): stock DeepSpeed 1F1B (the control: it runs on NCCL in
-production, so it must run here) at PP=4 and PP2xDP2 on plain gloo, then eager, then lazy;
-then the self-checks, which show the emulation does what torch's ProcessGroupNCCL does.
-The ds_vshape launches: every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined
-reference under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init),
-with in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules (the
-eager p=2 run is test_engine's, whose launches run under the eager emulation by default)
-and a step that fails (last: it wedges its communicator, as it would under NCCL), after
-which the engine must refuse.
+production, so it must run here) at PP=4 and PP2xDP2 on plain gloo, then at PP=4 under the
+first-contact rule in eager and in lazy mode (first: stock DeepSpeed's transfers share the world
+group, whose pairs connect once per process), then eager, then lazy; then the self-checks,
+which show the emulation does what torch's ProcessGroupNCCL does.
+The ds_vshape launches run under the first-contact rule (a rank's first call with a peer blocks
+until the peer's first call with it; the engine's warm-up at initialize makes those calls in one
+global order): every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined reference
+under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init), with
+in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules (the eager
+p=2 run is test_engine's, whose launches run under the eager emulation by default) and a step
+that fails (last: it wedges its communicator, as it would under NCCL), after which the engine
+must refuse.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from typing import Any
 
 import pytest
 
+from ds_vshape.schedules import generate
+from ds_vshape.schedules.first_contact import contact_pairs, warm_up_peers
+from ds_vshape.schedules.lowering import programs
+
 from .launch import by_case, launch
-from .nccl_checks import HELD
+from .nccl_checks import FIRST_CALL_S, HELD
 from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _min_m, _parity_cases,
                           test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
@@ -31,6 +39,11 @@ EMULATIONS = ("off", "eager", "lazy")
 SHAPES = {"p4": 4, "pp2xdp2": 2}
 CONTROL_CASES = [{"name": f"control-{emu}-{shape}", "nccl_control": True, "emulation": emu, "p": p, "m": 4, "clip": 0.0}
                  for emu in EMULATIONS for shape, p in SHAPES.items()]
+# Under the first-contact rule too; before the other emulated controls, so the world group's pairs are fresh.
+FIRST_CONTACT_CONTROLS = [{"name": f"control-first-contact-{emu}-p4", "nccl_control": True, "emulation": emu, "p": 4, "m": 4,
+                           "clip": 0.0, "first_contact": True} for emu in ("eager", "lazy")]
+# Their first transfers form a cycle at p >= 3 (rank 0 first receives from rank p-1, ...): only the warm-up lets them run.
+LOOPED = ("interleaved", "breadth-first")
 
 
 # PP2xDP2: p=2 on 4 ranks, each schedule at its smallest m of at least 4.
@@ -46,13 +59,13 @@ FAILED_STEP = {"name": "failed-step", "schedule": "v-half", "p": 2, "m": 4, "fai
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
-    return by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param))
+    return by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param, first_contact=True))
 
 
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
-    return by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param))
+    return by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param, first_contact=True))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +73,7 @@ def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     tmp = tmp_path_factory.mktemp("nccl_p2")
     checkpoint = {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
                   "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}}
-    return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy"))
+    return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy", first_contact=True))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
@@ -76,6 +89,26 @@ def test_every_schedule_under_nccl_rules_p2(nccl_p2: dict, case: str) -> None:
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(4)])
 def test_every_schedule_under_nccl_rules_p4(nccl_p4: dict, case: str) -> None:
     _assert_parity(case, nccl_p4[case])
+
+
+def _assert_connected_at_initialize(results: dict, p: int, name: str) -> None:
+    """Each rank made a first contact under the rule with each peer its programs exchange with
+    (more where the case also carried weights over the world group), and then trained."""
+    for case in (c for c in _parity_cases(p) if c["schedule"] == name):
+        pairs = contact_pairs(programs(generate(name, p, case["m"])))
+        _assert_parity(case["name"], results[case["name"]])
+        for rank, res in enumerate(results[case["name"]]):
+            assert res["first_contacts"] >= len(warm_up_peers(pairs, rank)) > 0, (case["name"], rank, res["first_contacts"])
+
+
+@pytest.mark.parametrize("name", LOOPED)
+def test_looped_schedules_connect_every_pair_at_initialize_p3(nccl_p3: dict, name: str) -> None:
+    _assert_connected_at_initialize(nccl_p3, 3, name)
+
+
+@pytest.mark.parametrize("name", LOOPED)
+def test_looped_schedules_connect_every_pair_at_initialize_p4(nccl_p4: dict, name: str) -> None:
+    _assert_connected_at_initialize(nccl_p4, 4, name)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in PP2XDP2_CASES])
@@ -115,7 +148,8 @@ def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2:
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nccl_emulation")
-    return by_case(launch(CONTROL_CASES + [{"name": "selfcheck", "nccl_selfcheck": True}], 4, tmp, nccl="eager"))
+    cases = CONTROL_CASES[:2] + FIRST_CONTACT_CONTROLS + CONTROL_CASES[2:] + [{"name": "selfcheck", "nccl_selfcheck": True}]
+    return by_case(launch(cases, 4, tmp, nccl="eager", first_contact=False))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -126,6 +160,16 @@ def test_stock_deepspeed_1f1b_trains_under_nccl_rules(emulation: dict, emu: str,
     _assert_parity(plain_name, emulation[plain_name])
     for rank, (res, plain) in enumerate(zip(emulation[name], emulation[plain_name])):
         assert res["installed"] and res["mode"] == emu and not plain["installed"], (rank, res, plain)
+        assert res["losses"] == plain["losses"], f"{name} rank {rank}: {res['losses']} vs plain gloo {plain['losses']}"
+
+
+@pytest.mark.parametrize("emu", ["eager", "lazy"])
+def test_stock_deepspeed_1f1b_trains_under_the_first_contact_rule(emulation: dict, emu: str) -> None:
+    name, plain_name = f"control-first-contact-{emu}-p4", "control-off-p4"
+    _assert_parity(name, emulation[name])
+    for rank, (res, plain) in enumerate(zip(emulation[name], emulation[plain_name])):
+        assert res["first_contact_rule"] and res["mode"] == emu, (rank, res)
+        assert res["first_contacts"] > 0, f"{name} rank {rank}: no first contact was made under the rule"
         assert res["losses"] == plain["losses"], f"{name} rank {rank}: {res['losses']} vs plain gloo {plain['losses']}"
 
 
@@ -203,3 +247,20 @@ def test_a_lazy_unbatched_receive_does_not_hold_back_the_groups_collective(emula
         got = _check(emulation, rank, "lazy", "collective-unbatched")
         assert got["error"] is None and got["sum"] == [3.0, 3.0], got
     assert _check(emulation, 0, "lazy", "collective-unbatched")["recv_error"] is None
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_first_call_with_a_peer_blocks_until_the_peers_first_call(emulation: dict, mode: str) -> None:
+    got = _check(emulation, 0, mode, "first-call")
+    first, second = got["took"]
+    assert first >= FIRST_CALL_S / 2, f"the first call returned after {first:.3f} s, before rank 1 made its own"
+    assert second < FIRST_CALL_S / 2, f"the second call, the pair connected, took {second:.3f} s"
+    assert got["errors"] == [None, None], got
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_cycle_of_first_receives_hangs_and_a_warm_up_in_one_order_prevents_it(emulation: dict, mode: str) -> None:
+    for rank in (0, 1, 2):
+        _timed_out(_check(emulation, rank, f"{mode}-wedged", "cycle")["error"], "first contact", f"({mode} init")
+        warmed = _check(emulation, rank, mode, "warmed-cycle")
+        assert warmed == {"error": None, "received": [float((rank - 1) % 3)] * 2}, (rank, warmed)

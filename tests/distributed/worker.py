@@ -530,8 +530,11 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for case in cases:
+        contacts = _first_contacts_made()
         try:
             results[case["name"]] = run_case(case)
+            if isinstance(results[case["name"]], dict):  # what the case connected under the first-contact rule
+                results[case["name"]]["first_contacts"] = _first_contacts_made() - contacts
         except Exception as err:  # recorded per case so one failure does not hide the rest
             results[case["name"]] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
             if case.get("fatal_on_error", True) is False:
@@ -540,6 +543,12 @@ def main() -> None:
         json.dump(results, fh, indent=1)
     _exit_if_wedged()
     _tear_down()
+
+
+def _first_contacts_made() -> int:
+    """First contacts this rank made under the emulation's first-contact rule so far (0 without it)."""
+    emulation = sys.modules.get("tests.distributed.nccl_emulation")
+    return emulation.first_contacts_made() if emulation is not None else 0
 
 
 def _tear_down() -> None:

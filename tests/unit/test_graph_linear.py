@@ -241,7 +241,23 @@ def test_a_deep_copy_stays_split_on_its_own_store() -> None:
     store = WeightGradStore()
     enable_split_backward([block], store)
     twin = copy.deepcopy(block)
-    assert type(twin.fc1) is SplitLinear
+    assert type(twin.fc1) is SplitLinear and twin.fc1._ds_vshape_store is store  # shared, not copied with its work
     other = WeightGradStore()
     enable_split_backward([twin], other)
-    assert twin.fc1._ds_vshape_store is other or twin.fc1._ds_vshape_store is not store
+    assert twin.fc1._ds_vshape_store is other and block.fc1._ds_vshape_store is store
+    want, _ = _fused(Block(), _inputs(2))
+    _split(twin, other, _inputs(2))
+    for name, grad in _grads(twin).items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_host_stage_benchmark_runs_every_way(tmp_path: Any) -> None:
+    """``make bench-host``'s stage table (issue 28 a), a few reps: every way and pass is there."""
+    from benchmarks import host_stage
+
+    out = tmp_path / "host_stage.md"
+    assert host_stage.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    for way in host_stage.WAYS:
+        assert f"| {way} |" in text
+    assert "x fused" in text and "F x plain" in text

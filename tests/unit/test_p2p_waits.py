@@ -123,3 +123,37 @@ def test_a_gloo_receive_is_waited_once_even_when_its_batch_is_waited_again() -> 
     waits.for_data(batch, "receive")
     waits.for_data(batch, "send release")
     assert batch.unwaited() == []
+
+
+class DoneAtWork(NcclLikeWork):
+    """Completes once the test's clock reaches ``at`` (a header or send landing while the host polls)."""
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        super().__init__()
+        self.clock, self.at = clock, at
+
+    def is_completed(self) -> bool:
+        return self.clock.now >= self.at
+
+
+class CountingClock(Clock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps = 0
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        super().sleep(seconds)
+
+
+@pytest.mark.parametrize("lands_at", [0.0003, 0.003, 0.0065, 0.05, 1.0])
+def test_a_host_poll_notices_a_done_transfer_within_a_millisecond(lands_at: float) -> None:
+    """Header reads and the step's last sends are waited by polling on the host (NCCL): the poll
+    must notice completion within 1 ms, however long the wait (a back-off to 10 ms overslept by
+    up to 10 ms, on the critical path of a host-bound step), and poll no more than every 0.2 ms."""
+    clock = CountingClock()
+    work = DoneAtWork(clock, lands_at)
+    _stream(clock, timeout_s=10.0).on_host(Batch([work], "x"), "header of stage 1")
+    assert lands_at <= clock.now <= lands_at + 0.001 + 1e-9
+    assert clock.sleeps <= lands_at / 0.001 + 4  # about one poll a millisecond once backed off
+    assert work.host_waits == 0

@@ -6,9 +6,10 @@ schedule, another p) the same indices name other layers, and Adam moments land o
 weights without an error. Model weights already cross (``layer_XX-model_states.pt`` files use
 global layer numbers); this module adds the same for the optimizer:
 
-* ``vs_layout.json`` (written by global rank 0): the saving schedule, p, placement, the stage
-  cut, the layer count, which pipeline ranks held each unit, the ZeRO stage and optimizer, and
-  whether per-parameter state was written.
+* ``vs_layout.json`` (``layout_file``; written by global rank 0, last): the saving schedule, p,
+  placement, the stage cut, the layer count, which pipeline ranks held each unit, the ZeRO stage
+  and optimizer, whether per-parameter state was written, and every file of the tag with its
+  size and sha256 (``manifest``).
 * ``vs_optim_pp_rank_XX.pt`` (data-parallel rank 0 of each pipeline rank, only for an optimizer
   that keeps plain per-parameter state: a torch optimizer under ZeRO-0 without an fp16/bf16
   wrapper): each parameter's state keyed by its module name (``"3.fc.weight"``: global layer 3;
@@ -18,123 +19,32 @@ A load under the saving placement is DeepSpeed's own (exact resume, any optimize
 load under another placement maps every parameter's state by name, or is refused with an error
 that names both placements and says what to change. The learning-rate scheduler state and the
 global step come from DeepSpeed's own files, which do not depend on the placement.
+
+A save is atomic (``commit``): a tag becomes ``latest`` only once every rank's files of it are
+complete. A load first checks the tag's files against the save's record on every rank
+(``integrity``) and refuses a damaged, cut-off or foreign tag on all of them at once.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import re
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .carry import unit_holders, unit_of
+from .atomic import save_torch
+from .carry import unit_of
+from .commit import AtomicSaveMixin
+from .integrity import checked_layout
+from .layout_file import (FORMAT, LAYOUT_FILE, CheckpointError, Layout, agree, layout_of, mappable, optim_file,
+                          read_layout, stock_layout)
 
-__all__ = ["CheckpointError", "Layout", "LAYOUT_FILE", "optim_file", "layout_of", "stock_layout", "read_layout",
-           "plan_load", "optimizer_payload", "mapped_state_dict", "needed_ranks", "agree", "mappable", "save", "load"]
+__all__ = ["CheckpointError", "Layout", "LAYOUT_FILE", "FORMAT", "optim_file", "layout_of", "stock_layout", "read_layout",
+           "plan_load", "optimizer_payload", "mapped_state_dict", "needed_ranks", "agree", "mappable", "save", "load",
+           "AtomicSaveMixin"]
 
-LAYOUT_FILE = "vs_layout.json"
-FORMAT = "ds_vshape.checkpoint/1"
 WEIGHTS, STOCK, MAPPED = "weights", "stock", "mapped"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here as asked, worded as what to change."""
-
-
-def optim_file(ckpt_dir: str, pipe_rank: int, *, tp_rank: int | None = None) -> str:
-    """One file per pipeline rank; per pipeline and tensor-parallel rank in a 3D job (``tp_rank`` given)."""
-    tp = "" if tp_rank is None else f"_tp_rank_{tp_rank:02d}"
-    return os.path.join(ckpt_dir, f"vs_optim_pp_rank_{pipe_rank:02d}{tp}.pt")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a run keeps its layers and how its optimizer state is stored."""
-
-    schedule: str | None  # None: written by stock DeepSpeed (one stage per rank, linear)
-    p: int
-    placement: tuple[int, ...]
-    stage_parts: tuple[int, ...] | None  # None: unknown (stock checkpoint)
-    num_layers: int | None
-    zero_stage: int
-    optimizer: str
-    mapped: bool  # per-parameter state by name is (or can be) written
-    holders: dict[str, list[int]] = field(default_factory=dict)
-    tp: int = 1  # tensor-parallel ranks (the topology's model axis); files before 3D support lack it: 1
-
-    def describe(self) -> str:
-        name = "stock DeepSpeed (1f1b)" if self.schedule is None else f"schedule {self.schedule!r}"
-        tp = f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else ""
-        return f"{name} at p={self.p}{tp} (stage-to-rank placement {list(self.placement)})"
-
-    def same_placement(self, other: Layout) -> bool:
-        if (self.p, self.placement) != (other.p, other.placement):
-            return False
-        known = self.stage_parts is not None and other.stage_parts is not None
-        return not known or self.stage_parts == other.stage_parts
-
-    def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str, *, path: str) -> Layout:
-        data = json.loads(text)
-        if data.pop("format", None) != FORMAT:
-            raise CheckpointError(f"{path}: not a {FORMAT} layout file; it was written by another ds_vshape version, "
-                                  "load it with the version that wrote it or with load_optimizer_states=False")
-        parts = data["stage_parts"]
-        return cls(**{**data, "placement": tuple(data["placement"]), "stage_parts": None if parts is None else tuple(parts)})
-
-
-def mappable(engine: Any) -> bool:
-    """True when the optimizer keeps plain per-parameter state this module can name and map."""
-    opt = engine.optimizer
-    return (opt is not None and opt is getattr(engine, "basic_optimizer", None) and isinstance(opt, torch.optim.Optimizer)
-            and engine.zero_optimization_stage() == 0)
-
-
-def _optimizer_name(engine: Any) -> str:
-    opt, basic = engine.optimizer, getattr(engine, "basic_optimizer", None)
-    if opt is None:
-        return "none"
-    if basic is None or opt is basic:
-        return type(opt).__name__
-    return f"{type(opt).__name__}({type(basic).__name__})"
-
-
-def layout_of(engine: Any) -> Layout:
-    module = engine.module
-    return Layout(schedule=engine.schedule.name, p=engine.num_stages, placement=tuple(module.placement),
-                  stage_parts=tuple(int(b) for b in module.stage_parts), num_layers=len(module._layer_specs),  # numpy ints from DeepSpeed
-                  zero_stage=engine.zero_optimization_stage(), optimizer=_optimizer_name(engine), mapped=mappable(engine),
-                  holders=unit_holders(module), tp=engine.grid.get_slice_parallel_world_size())
-
-
-def stock_layout(ckpt_dir: str) -> Layout | None:
-    """What a checkpoint without ``vs_layout.json`` tells: stock DeepSpeed, one stage per rank."""
-    ranks = glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt"))
-    if not ranks:
-        return None  # not a pipeline checkpoint DeepSpeed wrote; DeepSpeed's loader reports it
-    zero = 1 if glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*_optim_states.pt")) else 0
-    # A 3D job writes one mp_rank file per pipeline x tensor-parallel rank, and its layer files
-    # name the tensor-parallel rank (layer_03-model_01-model_states.pt).
-    tp = len({m.group(1) for f in os.listdir(ckpt_dir) if (m := re.match(r"layer_\d+-model_(\d+)-", f))}) or 1
-    p = len(ranks) // tp
-    return Layout(schedule=None, p=p, placement=tuple(range(p)), stage_parts=None, num_layers=None, zero_stage=zero,
-                  optimizer="unknown", mapped=False, tp=tp)
-
-
-def read_layout(ckpt_dir: str) -> Layout | None:
-    path = os.path.join(ckpt_dir, LAYOUT_FILE)
-    if not os.path.isfile(path):
-        return stock_layout(ckpt_dir)
-    with open(path) as fh:
-        return Layout.from_json(fh.read(), path=path)
 
 
 def plan_load(saved: Layout, current: Layout, *, load_optimizer: bool, where: str, rank: int) -> str:
@@ -259,27 +169,17 @@ def _entry(name: str, param: torch.Tensor, saved: Layout,
     return entry, payload["groups"][entry["group"]], None
 
 
-def agree(error: str | None) -> None:
-    """Raise every rank's error on every rank, so no rank goes on to wait for one that failed."""
-    items: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(items, error)
-    errors = [e for e in items if e]
-    if errors:
-        raise CheckpointError("; ".join(dict.fromkeys(errors)))
-
-
 # ---- the engine's save and load, around DeepSpeed's own -------------------------------------
 def save(engine: Any, save_dir: str, tag: Any) -> None:
-    """Write the layout (global rank 0) and this pipeline rank's named optimizer state (data-parallel rank 0)."""
+    """Write this pipeline rank's named optimizer state (data-parallel rank 0), whole or not at all.
+
+    The layout file, which makes the tag loadable, is written after every rank's files by
+    ``commit.commit`` (``AtomicSaveMixin.save_checkpoint``).
+    """
     ckpt_dir = os.path.join(save_dir, str(tag))
-    layout = layout_of(engine)
-    if dist.get_rank() == 0:
-        with open(os.path.join(ckpt_dir, LAYOUT_FILE), "w") as fh:
-            fh.write(layout.to_json())
     # Under ZeRO-0 every data-parallel replica holds the same state: one copy per pipeline rank.
-    if layout.mapped and engine.grid.data_parallel_id == 0:
-        path = optim_file(ckpt_dir, engine.stage_id, tp_rank=_tp_rank(engine))
-        engine.checkpoint_engine.save(state_dict=optimizer_payload(engine), path=path)
+    if mappable(engine) and engine.grid.data_parallel_id == 0:
+        save_torch(optimizer_payload(engine), optim_file(ckpt_dir, engine.stage_id, tp_rank=_tp_rank(engine)))
 
 
 def _tp_rank(engine: Any) -> int | None:
@@ -292,7 +192,8 @@ def load(engine: Any, load_fn: Any, load_dir: str, tag: Any, *, load_optimizer_s
     """DeepSpeed's load (``load_fn``) with the optimizer state mapped, kept, or refused by placement."""
     tag = _resolve_tag(load_dir, tag)
     ckpt_dir = os.path.join(load_dir, str(tag))
-    saved = None if tag is None or engine.load_universal_checkpoint() else read_layout(ckpt_dir)
+    # Every rank checks the tag's files against what the save recorded before anything loads.
+    saved = None if tag is None or engine.load_universal_checkpoint() else checked_layout(load_dir, str(tag))
     if saved is None:  # no tag, universal, or not a pipeline checkpoint: DeepSpeed's loader decides
         return load_fn(load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, **kwargs)
     wants = load_optimizer_states and not load_module_only and engine.optimizer is not None

@@ -48,13 +48,30 @@ class GraphLinearStore(RoutingStore, Protocol):
     def capture(self, key: Hashable, work: _MatmulWork) -> None: ...
 
 
+class _Bound:
+    """The store a ``SplitLinear`` reports to: a deep copy of the module shares it (a copy is re-bound
+    when split backward is enabled on it with a store of its own), rather than copying parked work."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: GraphLinearStore) -> None:
+        self.store = store
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Bound:
+        return self
+
+
 class SplitLinear(nn.Linear):
     """An ``nn.Linear`` whose forward splits its backward on the graph when a split unit runs it."""
 
-    _ds_vshape_store: GraphLinearStore
+    _ds_vshape_bound: _Bound
+
+    @property
+    def _ds_vshape_store(self) -> GraphLinearStore:
+        return self._ds_vshape_bound.store
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        store = self._ds_vshape_store
+        store = self._ds_vshape_bound.store
         if store.current is None or store.is_suspended or not torch.is_grad_enabled():
             return F.linear(input, self.weight, self.bias)
         weight, bias = self.weight, self.bias
@@ -72,13 +89,13 @@ class SplitLinear(nn.Linear):
 
 
 def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
-    """Make a plain ``nn.Linear`` a ``SplitLinear`` on ``store``; False for any other module."""
-    if type(mod) is SplitLinear:
-        return getattr(mod, "_ds_vshape_store", None) is store
-    if type(mod) is not nn.Linear:
+    """Make a plain ``nn.Linear`` (or a copy of a ``SplitLinear``) a ``SplitLinear`` on ``store``;
+    False for any other module."""
+    if type(mod) is nn.Linear:
+        mod.__class__ = SplitLinear  # state, hooks and parameters stay; isinstance(mod, nn.Linear) holds
+    elif type(mod) is not SplitLinear:
         return False
-    mod.__class__ = SplitLinear  # state, hooks and parameters stay; isinstance(mod, nn.Linear) holds
-    mod._ds_vshape_store = store  # type: ignore[assignment]
+    mod._ds_vshape_bound = _Bound(store)  # type: ignore[assignment]
     return True
 
 

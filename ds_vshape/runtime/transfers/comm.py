@@ -25,6 +25,12 @@ correct on gloo and on GPUs:
   once the header is read, and nothing else may come between them on that pair: before
   the next operation with that peer, the header is read and the payload posted.
 
+**First contact.** NCCL connects a pair on its first exchange, and that call blocks the host
+until the peer makes its own first call with this rank (``schedules.first_contact``).
+``warm_up`` makes every first contact at initialize, one peer after another in the one
+global order every rank follows, on the pair's group: a step's first transfer then posts
+without blocking, and no rank's first receive can wait on a cycle of first receives.
+
 Sends are released as soon as they are known complete, so in-flight buffers do not pile
 up over a step; ``inflight`` lists what is still held. Known complete: the backend says so,
 or a receive from the same peer completed that was posted after the send was issued (one
@@ -36,6 +42,7 @@ says to rebuild the engine.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -142,6 +149,21 @@ class P2P:
     def __post_init__(self) -> None:
         policy = StreamWaits if self.stream_waits else HostWaits
         self._waits = policy(timeout_s=self.timeout_s, my_rank=self.my_rank)
+
+    # ---- initialize ---------------------------------------------------------------------------
+    def warm_up(self, peers: Sequence[int]) -> None:
+        """First contact with each of ``peers``, in that order: one exchange of a tiny tensor
+        each way, in one batch on the pair's group, waited on the host (``p2p_timeout_s``).
+
+        ``peers``: ``schedules.first_contact.warm_up_peers``, the one global order of pairs.
+        Before any step: both ranks of a pair make it as their first transfer with each other.
+        """
+        self.check_usable()
+        for peer in peers:
+            label = f"first contact (warm-up exchange at initialize) with pipeline rank {peer}"
+            out, into = torch.zeros(1, device=self.device), torch.empty(1, device=self.device)
+            batch = self._issue([_Op(True, out, peer), _Op(False, into, peer)], label)
+            self._waits.on_host(batch, label)
 
     # ---- step framing -----------------------------------------------------------------------
     def check_usable(self) -> None:

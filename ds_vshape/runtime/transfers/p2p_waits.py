@@ -28,7 +28,11 @@ from typing import Any
 
 __all__ = ["Batch", "HostWaits", "P2PError", "P2PTimeoutError", "StreamWaits", "Waits"]
 
-_POLL_S = (0.0002, 0.01)  # first and longest sleep between completion polls
+# First and longest sleep between completion polls. The longest bounds how late a poll notices a
+# transfer that is done: a header read or the step's last send is on the host's critical path, and
+# a host-bound step (tiny passes) cannot hide a 10 ms oversleep; a poll (``is_completed``) costs
+# microseconds, so polling every millisecond while waiting costs the host next to nothing.
+_POLL_S = (0.0002, 0.001)
 
 
 class P2PError(RuntimeError):

@@ -21,8 +21,13 @@ NCCL's rules (torch 2.13's ``ProcessGroupNCCL::pointToPoint`` and ``batch_isend_
    use the group's. A header sent in a batch and received unbatched then never meet.
 3. Tags are ignored: per communicator, the i-th send A->B pairs with the i-th receive at B.
 4. Rendezvous: a send completes only when the peer's matching receive runs.
+5. First contact (its own switch: ``install(first_contact=True)`` or env
+   ``DS_VSHAPE_NCCL_FIRST_CONTACT=1``; off by default): a rank's first p2p call with a peer on a
+   communicator blocks its host, inside the call, until that peer has made its own first call
+   with it on that communicator, as NCCL connects a pair in ``ncclGroupEnd``. A call that waits
+   past the timeout raises there ("... first contact ... timed out ...").
 
-Data travels over gloo on the default group with global ranks, on two reserved tags per
+Data travels over gloo on the default group with global ranks, on three reserved tags per
 communicator. The host blocks in ``Work.wait()`` (and in blocking calls, collectives without
 ``async_op`` included), which raises ``RuntimeError`` ("... timed out ...", naming the op, its
 peers, the communicator and the mode) after its timeout: the argument, else ``install``'s,
@@ -33,8 +38,9 @@ Not emulated: self send/recv, ops inside torch's ``_coalescing_manager`` (left t
 
 from __future__ import annotations
 
-from .emulator import MODE_ENV, MODES, TIMEOUT_ENV, env_mode, install, installed, mode, unfinished_ops, uninstall
+from .emulator import (FIRST_CONTACT_ENV, MODE_ENV, MODES, TIMEOUT_ENV, env_first_contact, env_mode, first_contact,
+                       first_contacts_made, install, installed, mode, unfinished_ops, uninstall)
 from .queues import EmulatedWork
 
-__all__ = ["MODES", "MODE_ENV", "TIMEOUT_ENV", "EmulatedWork", "env_mode", "install", "installed", "mode",
-           "unfinished_ops", "uninstall"]
+__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "TIMEOUT_ENV", "EmulatedWork", "env_first_contact", "env_mode",
+           "first_contact", "first_contacts_made", "install", "installed", "mode", "unfinished_ops", "uninstall"]

@@ -15,11 +15,13 @@ import torch.distributed.distributed_c10d as c10d
 
 from .queues import CommKey, Communicator, EmulatedWork, P2P, Transport, in_worker
 
-__all__ = ["MODES", "MODE_ENV", "TIMEOUT_ENV", "env_mode", "install", "installed", "mode", "unfinished_ops", "uninstall"]
+__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "TIMEOUT_ENV", "env_first_contact", "env_mode", "first_contact",
+           "first_contacts_made", "install", "installed", "mode", "unfinished_ops", "uninstall"]
 
 MODES = ("eager", "lazy")
 MODE_ENV = "DS_VSHAPE_NCCL_EMULATION"  # set by tests/distributed/launch.py: "eager", "lazy" ("1" = eager)
 TIMEOUT_ENV = "DS_VSHAPE_NCCL_TIMEOUT_S"
+FIRST_CONTACT_ENV = "DS_VSHAPE_NCCL_FIRST_CONTACT"  # "1": a first p2p call with a peer blocks until the peer's
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # Every tensor collective DeepSpeed reaches (deepspeed/comm/torch.py looks them up at call time,
 # except all_gather_into_tensor / reduce_scatter_tensor, cached at its init: install before it).
@@ -40,7 +42,11 @@ class _Emulator:
         self.transport = Transport(originals["isend"], originals["irecv"])
         self.mode = "eager"
         self.timeout_s = 60.0
+        self.first_contact = False
         self.active = False
+        self._contacted: set[tuple[CommKey, int]] = set()  # (communicator, peer) this rank has called with
+        self._greetings: list[Any] = []  # gloo works of greetings still open (their buffers must live)
+        self.greeted = 0  # first contacts made under the rule
         self._issue_lock = threading.Lock()  # issue order across host threads; communicator creation
         self._comms: dict[CommKey, Communicator] = {}
         self._tags: dict[int, CommKey] = {}
@@ -70,7 +76,29 @@ class _Emulator:
         if not batched and self.mode == "lazy":
             a, b = sorted((dist.get_rank(), ops[0].peer))
             pair = (a, b)
-        return self._enqueue(CommKey(group.group_name, pair), label, functools.partial(self.transport.exchange, ops))
+        key = CommKey(group.group_name, pair)
+        self._contact(key, [op.peer for op in ops], label)
+        return self._enqueue(key, label, functools.partial(self.transport.exchange, ops))
+
+    def _contact(self, key: CommKey, peers: list[int], label: str) -> None:
+        """NCCL's first contact: this rank's first call with a peer on a communicator returns only
+        once the peer made its own first call with this rank there (recorded even when the rule
+        is off, so that turning it on never greets a pair already connected)."""
+        with self._issue_lock:
+            new = [peer for peer in dict.fromkeys(peers) if (key, peer) not in self._contacted]
+            self._contacted.update((key, peer) for peer in new)
+        if not new or not self.first_contact:
+            return
+        self.greeted += len(new)
+        missing, still_open = self.transport.greet(new, self._communicator(key).greeting_tag, self.timeout_s)
+        self._greetings += still_open
+        if missing:
+            raise RuntimeError(
+                f"nccl_emulation ({self.mode} init, first contact): {label} on communicator {key} timed out after "
+                f"{self.timeout_s:g} s waiting for the first call of rank(s) {missing} with rank {dist.get_rank()} "
+                "there; under NCCL this call would hang on the host in ncclGroupEnd (a cycle of first calls: make "
+                "every pair's first contact in one global order first)"
+            )
 
     def collective(self, name: str, group: Any, call: Callable[[], Any]) -> EmulatedWork:
         """One entry on the group's communicator: the real gloo collective, run from its thread."""
@@ -78,7 +106,7 @@ class _Emulator:
 
     def unfinished(self) -> int:
         with self._issue_lock:
-            return sum(comm.unfinished for comm in self._comms.values())
+            return sum(comm.unfinished for comm in self._comms.values()) + len(self._greetings)
 
 
 _EMU: _Emulator | None = None
@@ -212,19 +240,32 @@ def env_mode(value: str | None) -> str | None:
     return value
 
 
-def install(*, mode: str = "eager", timeout_s: float | None = None) -> None:
+def env_first_contact(value: str | None) -> bool:
+    """Whether the env var ``FIRST_CONTACT_ENV`` turns the first-contact rule on."""
+    if value in (None, "", "0"):
+        return False
+    if value != "1":
+        raise ValueError(f"{FIRST_CONTACT_ENV}={value!r}: use '1' (on) or '0' (off)")
+    return True
+
+
+def install(*, mode: str = "eager", timeout_s: float | None = None, first_contact: bool | None = None) -> None:
     """Route p2p ops and collectives through the emulation, in ``mode`` ("eager": device bound at
-    init, as DeepSpeed does on GPUs; "lazy": none bound). Installing again sets the mode and the
-    timeout for ops issued from then on (every rank must switch at the same point)."""
+    init, as DeepSpeed does on GPUs; "lazy": none bound). ``first_contact`` (default: env
+    ``FIRST_CONTACT_ENV``): a rank's first p2p call with a peer on a communicator blocks its host
+    until that peer's first call with it there. Installing again sets the mode, the timeout and
+    the rule for ops issued from then on (every rank must switch at the same point)."""
     global _EMU
     if mode not in MODES:
         raise ValueError(f"nccl_emulation: mode must be one of {MODES}, got {mode!r}")
     if timeout_s is None:
         timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
+    if first_contact is None:
+        first_contact = env_first_contact(os.environ.get(FIRST_CONTACT_ENV))
     names = _P2P + tuple(n for n in _COLLECTIVES if hasattr(c10d, n))
     if _EMU is None:
         _EMU = _Emulator({name: getattr(c10d, name) for name in names})
-    _EMU.mode, _EMU.timeout_s = mode, timeout_s
+    _EMU.mode, _EMU.timeout_s, _EMU.first_contact = mode, timeout_s, first_contact
     if _EMU.active:
         return
     for name in names:
@@ -255,8 +296,19 @@ def mode() -> str | None:
     return _EMU.mode if installed() else None
 
 
+def first_contact() -> bool:
+    """Whether the first-contact rule is on (False when not installed)."""
+    return installed() and _EMU.first_contact
+
+
+def first_contacts_made() -> int:
+    """How many first contacts (communicator, peer) this rank made under the rule so far."""
+    return _EMU.greeted if _EMU is not None else 0
+
+
 def unfinished_ops() -> int:
-    """Queue entries not yet completed, installed or not: > 0 after a timed-out wait.
+    """Queue entries not yet completed and greetings never answered, installed or not: > 0 after
+    a timed-out wait.
 
     A process whose worker threads are parked inside gloo waits aborts in interpreter teardown;
     callers that know they wedged a communicator exit with ``os._exit`` instead.

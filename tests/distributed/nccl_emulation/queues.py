@@ -3,9 +3,10 @@
 A communicator here is what ProcessGroupNCCL keeps per process group (or, lazily, per pair):
 one stream on this rank, on which entries run strictly in issue order, each to completion
 before the next starts. An entry is one unbatched p2p op, one whole batch, or one collective.
-Point-to-point data travels over gloo on the default group with global ranks, on two reserved
-tags per communicator (derived from its key), so that messages of different communicators
-never match each other and, per communicator, the i-th send A->B meets the i-th receive at B.
+Point-to-point data travels over gloo on the default group with global ranks, on three reserved
+tags per communicator (derived from its key: data, ready tokens, first-contact greetings), so
+that messages of different communicators never match each other and, per communicator, the
+i-th send A->B meets the i-th receive at B.
 """
 
 from __future__ import annotations
@@ -94,10 +95,10 @@ class CommKey:
             return f"'group {self.group}'"
         return f"'pair {self.pair[0]}-{self.pair[1]} of group {self.group}'"
 
-    def tags(self) -> tuple[int, int]:
-        """(data tag, ready-token tag): the same on every rank, distinct per communicator."""
+    def tags(self) -> tuple[int, int, int]:
+        """(data tag, ready-token tag, greeting tag): the same on every rank, distinct per communicator."""
         slot = zlib.crc32(repr((self.group, self.pair)).encode()) & 0x7F_FFFF
-        return _TAG_BASE + 2 * slot, _TAG_BASE + 2 * slot + 1
+        return _TAG_BASE + 3 * slot, _TAG_BASE + 3 * slot + 1, _TAG_BASE + 3 * slot + 2
 
 
 @dataclass(eq=False)
@@ -112,7 +113,7 @@ class Communicator:
 
     def __init__(self, key: CommKey) -> None:
         self.key = key
-        self.data_tag, self.token_tag = key.tags()
+        self.data_tag, self.token_tag, self.greeting_tag = key.tags()
         self._entries: queue.SimpleQueue[tuple[Callable[[], Any], EmulatedWork]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.unfinished = 0  # entries issued and not yet completed (or failed)
@@ -151,6 +152,34 @@ class Transport:
     def _post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         with self._lock:
             return (self._isend if kind == "send" else self._irecv)(tensor, peer, tag=tag)
+
+    def greet(self, peers: list[int], tag: int, timeout_s: float) -> tuple[list[int], list[Any]]:
+        """First contact: tell each peer that this rank made its first call with it on a
+        communicator (``tag``: its greeting tag), and wait, on the host, for each peer's own.
+
+        Returns the peers not heard from within ``timeout_s`` and, then, the gloo works still
+        open (kept referenced by the caller: their buffers must outlive them). The gloo works
+        are waited on by a listener thread without a timeout: a gloo wait that times out closes
+        the pair between the two processes, and every later message between them would fail."""
+        answers = [(peer, self._post("recv", torch.zeros(1, dtype=torch.uint8), peer, tag)) for peer in peers]
+        sent = [self._post("send", torch.ones(1, dtype=torch.uint8), peer, tag) for peer in peers]
+        heard: list[int] = []
+        done = threading.Event()
+
+        def listen() -> None:
+            try:
+                for peer, work in answers:
+                    work.wait()
+                    heard.append(peer)
+                for work in sent:  # each peer's receive is posted before its greeting: prompt
+                    work.wait()
+            finally:
+                done.set()
+
+        threading.Thread(target=listen, name=f"nccl-emulation greeting {peers}", daemon=True).start()
+        if done.wait(timeout_s) and len(heard) == len(peers):
+            return [], []
+        return [peer for peer in peers if peer not in heard], [work for _, work in answers] + sent
 
     def exchange(self, ops: list[P2P], comm: Communicator) -> None:
         """Run one entry's ops together; return once all of them completed."""
