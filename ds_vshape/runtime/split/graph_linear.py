@@ -32,16 +32,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .split_mode import RoutingStore, param_like, routing
+from .split_mode import RoutingStore, routing
 from .split_ops import _MatmulWork
 
 __all__ = ["GraphLinearStore", "SplitLinear", "take_over"]
 
 
+# What a ``SplitLinear`` call runs as: the store's ``linear_plan`` decides (one call per layer call).
+PLAIN, GRAPH, ROUTED = 0, 1, 2
+
+
 class GraphLinearStore(RoutingStore, Protocol):
     """What the graph split asks of the store, besides the routing's questions."""
 
-    def routed_whole(self) -> bool: ...
+    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int: ...
+
+    def grad_in_b(self, t: torch.Tensor) -> bool: ...
 
     def enter_module(self, delta: int) -> None: ...
 
@@ -72,18 +78,15 @@ class SplitLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         store = self._ds_vshape_bound.store
-        if store.current is None or store.is_suspended or not torch.is_grad_enabled():
+        plan = store.linear_plan(input, self.weight, self.bias)
+        if plan == GRAPH:
+            return _graph_linear(store, input, self.weight, self.bias)
+        if plan == PLAIN:
             return F.linear(input, self.weight, self.bias)
-        weight, bias = self.weight, self.bias
-        if not weight.requires_grad or store.grad_in_b(weight):
-            if bias is None or not bias.requires_grad or store.grad_in_b(bias):
-                return F.linear(input, weight, bias)  # every gradient is B's, by design
-        elif _graph_splits(store, input, weight):
-            return _graph_linear(store, input, weight, bias)
         store.enter_module(+1)  # the routed path: this module owns the deferred parameter it consumes
         try:
             with routing(store):
-                return F.linear(input, weight, bias)
+                return F.linear(input, self.weight, self.bias)
         finally:
             store.enter_module(-1)
 
@@ -99,21 +102,14 @@ def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
     return True
 
 
-def _graph_splits(store: GraphLinearStore, x: Any, weight: torch.Tensor) -> bool:
-    if store.routed_whole() or not isinstance(x, torch.Tensor) or not x.requires_grad or x.dim() < 2:
-        return False
-    return not hasattr(weight, "ds_id") and not param_like(store, x)
-
-
 def _graph_linear(store: GraphLinearStore, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     bias_in_w = bias is not None and bias.requires_grad and not store.grad_in_b(bias)
     out = F.linear(x, weight.detach(), bias.detach() if bias_in_w else bias)
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    kept = x.detach()
+    kept: Any = x  # detached in B: the graph behind it lives until then anyway
+    unpack = None
     if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
-        kept, unpack = hooks[0](kept), hooks[1]
-    else:
-        unpack = None
+        kept, unpack = hooks[0](x.detach()), hooks[1]
     node = out.grad_fn
     assert node is not None  # x needs a gradient, so the output has a node
     node.register_prehook(_Capture(store, store.current, kept, unpack, weight, bias if bias_in_w else None))

@@ -38,17 +38,17 @@ import warnings
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from contextlib import contextmanager, nullcontext
-from functools import wraps
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from .graph_linear import take_over
+from .graph_linear import GRAPH, PLAIN, ROUTED, take_over
 from .in_b import matching, module_paths
-from .split_graph import inspect_outputs
-from .split_mode import DeferMode, RoutedCall, routing
+from .module_hooks import route_forward, routed_checkpoint
+from .split_mode import DeferMode, param_like
 from .split_ops import ParkedWork, accumulate
 
 # The mark a parameter-computed tensor carries (an attribute on the tensor itself: looked up on every
@@ -172,6 +172,25 @@ class WeightGradStore:
 
     def is_deferring(self, key: Hashable) -> bool:
         return key in self._deferring
+
+    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+        """What a ``SplitLinear`` call runs as (``graph_linear``): PLAIN (no split unit's forward runs, or
+        B computes every gradient it has by design), GRAPH (split on autograd's graph), ROUTED (the
+        routing's GEMM path: a whole-routed forward, an input computed from parameters or without a
+        gradient, a weight ZeRO-3 partitions). One call with the attributes read inline: it runs
+        for every linear layer of every split forward."""
+        key, in_b = self._current, self._in_b
+        if key is None or self._suspended or not torch.is_grad_enabled():
+            return PLAIN
+        if not weight.requires_grad or id(weight) in in_b:
+            return PLAIN if bias is None or not bias.requires_grad or id(bias) in in_b else ROUTED
+        if key in self._whole or type(x) is not torch.Tensor or not x.requires_grad or x.dim() < 2 or hasattr(weight, "ds_id"):
+            return ROUTED
+        if id(x) in self._param_ids or hasattr(x, _DERIVED):
+            return ROUTED
+        if isinstance(x.grad_fn, BackwardCFunction) and param_like(self, x):  # a custom Function fed by parameters
+            return ROUTED
+        return GRAPH
 
     def is_param_like(self, t: torch.Tensor) -> bool:
         return t.requires_grad and (id(t) in self._param_ids or self._mark(t) is not None)
@@ -350,52 +369,8 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
         # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).
         owner = any(p.requires_grad and not store.grad_in_b(p) for p in own)
         if not take_over(mod, store) and (owner or mod is top):
-            _route_forward(mod, store, owner=owner)
+            route_forward(mod, store, owner=owner)
         count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
-        root.activation_checkpoint_func = _routed_checkpoint(root.activation_checkpoint_func, store)
+        root.activation_checkpoint_func = routed_checkpoint(root.activation_checkpoint_func, store)
     return count
-
-
-def _route_forward(mod: nn.Module, store: WeightGradStore, *, owner: bool) -> None:
-    """The module's forward enters the routing itself: also when a checkpoint re-runs it in B.
-
-    Hooks rather than a patched ``forward``: a deep copy of the module stays a module of its own.
-    """
-    if getattr(mod, "_ds_vshape_store", None) is not None:
-        return
-    entered: list[Any] = []
-
-    def enter(module: nn.Module, args: Any) -> None:
-        # An owner routes its own calls; a stage's module routes when its unit's forward was routed
-        # whole (a checkpoint re-running it in B must save what the forward saved).
-        context = routing(store) if owner or store.routed_whole() else nullcontext()
-        context.__enter__()
-        entered.append(context)
-        if owner:
-            store.enter_module(+1)
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if store.current is not None and not store.is_suspended and torch.is_grad_enabled():
-            inspect_outputs(store, output)  # a custom Function's output that no routed call consumed
-        if owner:  # after: a Function applied in this module was applied inside it
-            store.enter_module(-1)
-        if entered:
-            entered.pop().__exit__(None, None, None)
-
-    mod._ds_vshape_store = store  # type: ignore[assignment]
-    mod.register_forward_pre_hook(enter)
-    mod.register_forward_hook(leave, always_call=True)  # also when the forward raises
-
-
-def _routed_checkpoint(checkpoint_func: Callable[..., Any], store: WeightGradStore) -> Callable[..., Any]:
-    """DeepSpeed's checkpoint function, re-running the checkpointed block (functions included) routed."""
-    if getattr(checkpoint_func, "_ds_vshape_routed", False):
-        return checkpoint_func
-
-    @wraps(checkpoint_func)
-    def routed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_func(RoutedCall(function, store), *args, **kwargs)
-
-    routed._ds_vshape_routed = True  # type: ignore[attr-defined]
-    return routed
