@@ -98,8 +98,11 @@ bench-zero: venv
 # Host cost where the host is the bottleneck (issue 28): the engine's per-instruction CPU against DeepSpeed's
 # PipelineEngine, and whole steps of every schedule against DeepSpeed 1F1B, at p=2 on the recipe's tiny Llama,
 # one core per rank (benchmarks/results/host_engine.md), about 3 minutes on 2 idle cores.
+# Host cost where the host is the bottleneck (issue 28): one stage's F, B, W on tiny shapes, one thread, fused against
+# torch's split and ds_vshape's (benchmarks/results/host_stage.md), then the engines at p=2, one core per rank, per
+# instruction and per step against DeepSpeed's own (benchmarks/results/host_engine.md); a few minutes on 2 idle cores.
 bench-host: venv
-# (placeholder: the stage-level benchmark, benchmarks/host_stage.py, runs first here)
+	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python benchmarks/host_stage.py
 	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/host_engine.jsonl
 	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --nproc_per_node 2 --master_port 29543 benchmarks/host_engine.py --out benchmarks/results/raw/host_engine.jsonl --md benchmarks/results/host_engine.md
 

@@ -53,6 +53,7 @@ import deepspeed  # noqa: E402
 import ds_vshape  # noqa: E402
 from recipes.cores import this_rank  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens  # noqa: E402
+from benchmarks.report_host_engine import commit, write_report  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "HandlerClock", "build", "main"]
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _append(args.out, {"kind": "setting", "p": p, "seq_len": args.seq_len, "ranks": [vars(c) for c in cpus],
-                           "cpu": _cpu_model(), "load_before": _loadavg(), "versions": _versions()})
+                           "cpu": _cpu_model(), "load_before": _loadavg(), "versions": _versions(), "commit": commit()})
     for round_ in range(args.rounds):
         runners = [Runner(s, args, p) for s in args.schedules]
         for i in range(args.warmup + args.steps):
@@ -198,8 +199,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         _append(args.out, {"kind": "end", "load_after": _loadavg()})
         if args.md is not None:
-            from benchmarks.report_host_engine import write_report  # noqa: PLC0415 (rank 0 only)
-
             write_report(args.out, args.md)
     dist.barrier()
     dist.destroy_process_group()  # gloo's threads can abort the process at interpreter teardown

@@ -12,11 +12,18 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PASSES", "TRANSFERS", "load", "render", "write_report"]
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from recipes.cores import RankCpu, cpu_share, describe  # noqa: E402
+
+__all__ = ["PASSES", "TRANSFERS", "commit", "load", "render", "write_report"]
 
 BASE = "deepspeed-1f1b"
 PASSES = ("ForwardPass", "BackwardPass", "FusedBackward", "BackwardInput", "BackwardWeight")
@@ -145,17 +152,17 @@ def _per_instruction(steps: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
 
 
 def _header(setting: dict[str, Any], end: dict[str, Any], steps: dict[str, Any]) -> list[str]:
-    ranks = setting.get("ranks", [])
-    threads = sorted({r["threads"] for r in ranks})
-    cpus = len({c for r in ranks for c in r["cpus"]})
+    ranks = [RankCpu(r["host"], r["threads"], tuple(r["cpus"])) for r in setting.get("ranks", [])]
+    share = cpu_share(ranks)
     v = setting.get("versions", {})
     return [
         "# Engine host cost at p=2: ds_vshape against DeepSpeed's PipelineEngine (issue 28, parts b and c)", "",
-        f"**Device and regime:** CPU ({setting.get('cpu', '?')}), {cpus} cores for {len(ranks)} pipeline ranks of "
-        f"{'/'.join(map(str, threads))} torch thread(s) each: one core per rank; gloo; host-bound tiny shapes: the recipe's "
+        f"**Device and regime:** CPU ({setting.get('cpu', '?')}), {len(ranks)} pipeline ranks of "
+        f"{'/'.join(str(t) for t in sorted({r.threads for r in ranks}))} torch thread(s) each"
+        f"{describe(share.cores, share.demand, share.rank_cores).split(', so')[0]}; gloo; host-bound tiny shapes: the recipe's "
         f"Llama (hidden 64, 8 blocks, 4 heads, FFN 176, byte vocabulary), sequences of {setting.get('seq_len')}, 8 micro-batches "
         "of 4 rows, AdamW with clipping (`ds_configs/`). Every kernel takes microseconds: the ranks' time is host work.", "",
-        f"Command: `make bench-host` (`benchmarks/host_engine.py`). Commit {_commit()}; torch {v.get('torch')}, DeepSpeed "
+        f"Command: `make bench-host` (`benchmarks/host_engine.py`). Commit {setting.get('commit', '?')}; torch {v.get('torch')}, DeepSpeed "
         f"{v.get('deepspeed')}, transformers {v.get('transformers')}. Load average (1, 5, 15 min) before "
         f"{setting.get('load_before')}, after {end.get('load_after', '?')}: other work on the machine slows wall times (not "
         "CPU times); the engines take turns step by step, so it falls on all of them alike.", "",
@@ -164,7 +171,8 @@ def _header(setting: dict[str, Any], end: dict[str, Any], steps: dict[str, Any])
     ]
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The code measured: HEAD, and whether ds_vshape had uncommitted changes (recorded when the run starts)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], capture_output=True, text=True).stdout.strip()

@@ -59,10 +59,10 @@ def cpu_share(ranks: Sequence[RankCpu]) -> CpuShare:
     hosts: dict[str, list[RankCpu]] = {}
     for rank in ranks:
         hosts.setdefault(rank.host, []).append(rank)
-    loads = []
+    loads = []  # (demand over cores, cores, demand) per machine
     for members in hosts.values():
-        cores = len({cpu for r in members for cpu in r.cpus})
-        loads.append((sum(r.busy_cores for r in members) / max(cores, 1), cores, sum(r.busy_cores for r in members)))
+        cores, demand = len({cpu for r in members for cpu in r.cpus}), sum(r.busy_cores for r in members)
+        loads.append((demand / max(cores, 1), cores, demand))
     _, cores, demand = max(loads)
     return CpuShare(cores=cores, demand=demand, rank_cores=tuple(r.busy_cores for r in ranks))
 

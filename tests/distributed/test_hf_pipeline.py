@@ -81,8 +81,10 @@ def test_w_keeps_within_the_schedules_w_memory(hf_results: dict) -> None:
         fitted = res["w_fit"]
         assert len(fitted) == 2, (rank, fitted)  # both of the rank's stages, once each
         for stage, (saved, kept, after) in fitted.items():
-            assert saved > 0 and after <= 0.5 * saved, (rank, stage, saved, kept, after)
-        assert any(kept > 0.5 * saved for saved, kept, _ in fitted.values()), (rank, fitted)  # the fit had work
+            # Fitted, or left whole: a stage whose cheapest group (the head alone) is more of its W work than
+            # the schedule can take into B and stay ahead of 1F1B (schedules.fit_limit) moves nothing.
+            assert saved > 0 and (after <= 0.5 * saved or after == kept), (rank, stage, saved, kept, after)
+        assert any(after <= 0.5 * saved < kept for saved, kept, after in fitted.values()), (rank, fitted)
         assert res["in_b_matrices"] > 0, (rank, res["in_b_matrices"])
     for rank, res in enumerate(hf_results["llama-v-half"]):
         assert res["in_b_matrices"] == 0 and res["w_fit"] == {}, (rank, res["in_b_matrices"], res["w_fit"])
