@@ -39,15 +39,14 @@ __all__ = ["GraphLinearStore", "SplitLinear", "take_over"]
 
 
 # What a ``SplitLinear`` call runs as: the store's ``linear_plan`` decides (one call per layer call).
-PLAIN, GRAPH, ROUTED = 0, 1, 2
+# GRAPH_BIAS: split on the graph with the bias's gradient in W as well.
+PLAIN, GRAPH, GRAPH_BIAS, ROUTED = 0, 1, 2, 3
 
 
 class GraphLinearStore(RoutingStore, Protocol):
     """What the graph split asks of the store, besides the routing's questions."""
 
     def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int: ...
-
-    def grad_in_b(self, t: torch.Tensor) -> bool: ...
 
     def enter_module(self, delta: int) -> None: ...
 
@@ -78,17 +77,30 @@ class SplitLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         store = self._ds_vshape_bound.store
-        plan = store.linear_plan(input, self.weight, self.bias)
-        if plan == GRAPH:
-            return _graph_linear(store, input, self.weight, self.bias)
+        weight, bias = self.weight, self.bias  # once: each read goes through nn.Module.__getattr__
+        plan = store.linear_plan(input, weight, bias)
         if plan == PLAIN:
-            return F.linear(input, self.weight, self.bias)
-        store.enter_module(+1)  # the routed path: this module owns the deferred parameter it consumes
-        try:
-            with routing(store):
-                return F.linear(input, self.weight, self.bias)
-        finally:
-            store.enter_module(-1)
+            return F.linear(input, weight, bias)
+        if plan == ROUTED:
+            return _routed(store, input, weight, bias)
+        bias_in_w = plan == GRAPH_BIAS  # the bias's gradient waits for W too (cheap_in_b off)
+        out = F.linear(input, weight.detach(), bias.detach() if bias_in_w else bias)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        kept: Any = input  # detached in B: the graph behind it lives until then anyway
+        unpack = None
+        if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
+            kept, unpack = hooks[0](input.detach()), hooks[1]
+        out.grad_fn.register_prehook(_Capture(store, store.current, kept, unpack, weight, bias if bias_in_w else None))
+        return out
+
+
+def _routed(store: GraphLinearStore, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    store.enter_module(+1)  # the routing's GEMM path: this module owns the deferred parameter it consumes
+    try:
+        with routing(store):
+            return F.linear(x, weight, bias)
+    finally:
+        store.enter_module(-1)
 
 
 def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
@@ -100,20 +112,6 @@ def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
         return False
     mod._ds_vshape_bound = _Bound(store)  # type: ignore[assignment]
     return True
-
-
-def _graph_linear(store: GraphLinearStore, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    bias_in_w = bias is not None and bias.requires_grad and not store.grad_in_b(bias)
-    out = F.linear(x, weight.detach(), bias.detach() if bias_in_w else bias)
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    kept: Any = x  # detached in B: the graph behind it lives until then anyway
-    unpack = None
-    if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
-        kept, unpack = hooks[0](x.detach()), hooks[1]
-    node = out.grad_fn
-    assert node is not None  # x needs a gradient, so the output has a node
-    node.register_prehook(_Capture(store, store.current, kept, unpack, weight, bias if bias_in_w else None))
-    return out
 
 
 class _Capture:

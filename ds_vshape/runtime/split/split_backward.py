@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from .graph_linear import GRAPH, PLAIN, ROUTED, take_over
+from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, take_over
 from .in_b import matching, module_paths
 from .module_hooks import route_forward, routed_checkpoint
 from .split_mode import DeferMode, param_like
@@ -175,7 +175,8 @@ class WeightGradStore:
 
     def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
         """What a ``SplitLinear`` call runs as (``graph_linear``): PLAIN (no split unit's forward runs, or
-        B computes every gradient it has by design), GRAPH (split on autograd's graph), ROUTED (the
+        B computes every gradient it has by design), GRAPH (split on autograd's graph; GRAPH_BIAS: with
+        the bias's gradient in W too), ROUTED (the
         routing's GEMM path: a whole-routed forward, an input computed from parameters or without a
         gradient, a weight ZeRO-3 partitions). One call with the attributes read inline: it runs
         for every linear layer of every split forward."""
@@ -190,7 +191,7 @@ class WeightGradStore:
             return ROUTED
         if isinstance(x.grad_fn, BackwardCFunction) and param_like(self, x):  # a custom Function fed by parameters
             return ROUTED
-        return GRAPH
+        return GRAPH if bias is None or not bias.requires_grad or id(bias) in in_b else GRAPH_BIAS
 
     def is_param_like(self, t: torch.Tensor) -> bool:
         return t.requires_grad and (id(t) in self._param_ids or self._mark(t) is not None)
