@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ds_vshape.runtime.dropin import commit as commit_mod
 from ds_vshape.runtime.dropin.atomic import atomic_write, is_temp, save_torch, temp_path, write_text
@@ -172,15 +170,6 @@ def test_each_rank_checks_its_share_and_together_they_check_every_file(tmp_path:
 
 
 # ---- a save's order, and a load's check, on a gloo group of one process -------------------------
-@pytest.fixture()
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _DeepSpeedSave:
     """Stands for DeepSpeed's save: writes the rank files; ``stop_after`` files, it dies (an exception here)."""
 
@@ -207,7 +196,7 @@ class _Engine(AtomicSaveMixin, _DeepSpeedSave):
     pass
 
 
-def test_latest_names_a_tag_only_after_its_layout_file_and_record(one_rank: None, tmp_path: Path,
+def test_latest_names_a_tag_only_after_its_layout_file_and_record(gloo_world_of_one: None, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(commit_mod, "layout_of", lambda engine: LAYOUT)
     root = str(tmp_path)
@@ -222,7 +211,7 @@ def test_latest_names_a_tag_only_after_its_layout_file_and_record(one_rank: None
 
 
 @pytest.mark.parametrize("stop_after", [0, 1, 2])
-def test_a_save_cut_off_keeps_latest_on_the_previous_tag_which_still_loads(one_rank: None, tmp_path: Path,
+def test_a_save_cut_off_keeps_latest_on_the_previous_tag_which_still_loads(gloo_world_of_one: None, tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch,
                                                                             stop_after: int) -> None:
     monkeypatch.setattr(commit_mod, "layout_of", lambda engine: LAYOUT)
@@ -239,7 +228,7 @@ def test_a_save_cut_off_keeps_latest_on_the_previous_tag_which_still_loads(one_r
         assert needle in str(err.value), str(err.value)
 
 
-def test_saving_again_under_the_same_tag_gives_it_up_until_the_save_ends(one_rank: None, tmp_path: Path,
+def test_saving_again_under_the_same_tag_gives_it_up_until_the_save_ends(gloo_world_of_one: None, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(commit_mod, "layout_of", lambda engine: LAYOUT)
     root = str(tmp_path)
@@ -252,7 +241,7 @@ def test_saving_again_under_the_same_tag_gives_it_up_until_the_save_ends(one_ran
     assert checked_layout(root, "t1") is not None and os.listdir(tmp_path / "t1").count(LAYOUT_FILE) == 1
 
 
-def test_a_damaged_file_is_refused_with_its_name_and_what_to_do(one_rank: None, tmp_path: Path,
+def test_a_damaged_file_is_refused_with_its_name_and_what_to_do(gloo_world_of_one: None, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(commit_mod, "layout_of", lambda engine: LAYOUT)
     root = str(tmp_path)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from benchmarks.kept_share import MICRO_BATCH, Stage, gemm_floor, layer_stages, measure_layer
 from ds_vshape.config import ConfigError, parse_pipeline_config
@@ -127,17 +125,7 @@ def test_custom_function_in_b_parks_nothing_for_it() -> None:
 
 
 # ---- a pattern matching nothing ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    """A gloo group of one process: the all-reduce that counts matches runs for real."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_pattern_matching_nothing_is_refused(one_rank: None, stages: dict[str, Stage]) -> None:
+def test_pattern_matching_nothing_is_refused(gloo_world_of_one: None, stages: dict[str, Stage]) -> None:
     model, store, notes = copy.deepcopy(stages["decoder block"].module), WeightGradStore(), []
     with pytest.raises(ValueError, match=r"pipeline\.weight_grads_in_b: pattern '\*selfattn\*' matches no module.*"
                        r"'block\.self_attn\.q_proj'"):
