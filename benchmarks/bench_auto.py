@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, p = dist.get_rank(), dist.get_world_size()
     latency = hop_latency(rank, args.rows * args.dim)
-    w_memory = 0.5  # ds_vshape's default pipeline.w_memory, and what EmuLayer's split backward keeps
+    w_memory = 0.5  # what EmuLayer's split backward keeps (ds_vshape's default pipeline.w_memory until it became 1)
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _append(args.out, {"kind": "latency", "p": p, **latency})

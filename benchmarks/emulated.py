@@ -28,8 +28,7 @@ Each ``EmuLayer`` is a small linear layer plus three sleeps:
 Activation memory: the linear saves its input ``x``; ``_Pass`` also saves a buffer of
 ``extra`` times the size of ``x`` that stands for the layer's other intermediates
 (attention scores, MLP activations). Split backward keeps ``x`` and the output gradient
-(2 units) of 1 + extra saved units until W: with ``extra=3`` that is half, ds_vshape's
-default ``w_memory``.
+(2 units) of 1 + extra saved units until W: with ``extra=3`` that is half, a ``w_memory`` of 0.5.
 
 ``DEVICE`` counts the time slept per kind (F, B, W) in this process, so a run can check
 that every system did the same emulated work per rank.

@@ -24,7 +24,7 @@ _STEPS = 20  # shares tried: 0, 0.05, ..., 1
 def moved_share_limit(schedule: Schedule) -> float:
     """The largest share of W's work, on a grid of 1/20, that B may take with ``schedule`` still no
     slower than 1F1B (0 when even none is: the fit then moves nothing)."""
-    w_memory = float(schedule.params.get("w_memory", 0.0))  # type: ignore[arg-type]
+    w_memory = float(schedule.params.get("w_memory", 0.0))
     baseline = simulate(generate("1f1b", schedule.stages, schedule.micro_batches), Costs(f=1, b=1, w=1)).makespan  # BW costs b + w
     best = 0.0
     for step in range(_STEPS + 1):

@@ -18,6 +18,8 @@ import torch
 
 from benchmarks import host_stage
 
+__all__: list[str] = []
+
 pytestmark = pytest.mark.gpu
 
 SHAPES = {  # name: (blocks, tokens per sequence, micro-batch, (hidden, FFN, heads, KV heads))

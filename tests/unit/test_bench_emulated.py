@@ -125,7 +125,7 @@ def test_each_pass_sleeps_once_per_layer_in_fused_backward() -> None:
 
 
 def test_split_backward_parks_half_of_the_saved_activation() -> None:
-    """extra=3: x + grad_out parked of x + 3x saved, i.e. ds_vshape's default w_memory 0.5."""
+    """extra=3: x + grad_out parked of x + 3x saved, i.e. a w_memory of 0.5."""
     layer = EmuLayer(DIM, 0.0, 0.0, 0.0, seed=5)
     store = WeightGradStore()
     enable_split_backward([layer], store)

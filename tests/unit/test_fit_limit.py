@@ -24,3 +24,11 @@ def test_the_limit_is_the_last_share_that_keeps_the_schedule_at_1f1b(name: str, 
 def test_schedules_with_room_to_spare_may_move_everything() -> None:
     # ZB-H1 keeps 1F1B's order with W filling its bubble: all of W in B is 1F1B again.
     assert moved_share_limit(generate("zb-h1", 4, 8)) == 1.0
+
+
+def test_the_baseline_is_1f1b_with_its_backward_fused() -> None:
+    """By hand: 1F1B at p=2, m=8 with F, B and W one unit each takes (m + p - 1) * (F + B + W) = 27
+    units; a V schedule moving no W work into B must be no longer than that to be allowed any."""
+    assert simulate(generate("1f1b", 2, 8)).makespan == 27
+    v_zb = generate("v-zb", 2, 8, costs=Costs(w_memory=0.5))
+    assert _makespan("v-zb", 2, 8, 0.0) <= 27 and moved_share_limit(v_zb) > 0

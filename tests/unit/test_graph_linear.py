@@ -2,9 +2,11 @@
 
 After a scope's first (routed) forward, a plain ``nn.Linear`` runs its GEMM on the weight
 detached: autograd's native node computes the input's gradient in B, a pre-hook parks the
-weight's work, W computes it. Checked against a fused backward on real Hugging Face Llama
-blocks and on a small block: exact gradients, no custom autograd node in the graph, W's
-input kept through the saved-tensor hooks (meter, offload, checkpoint), and the fallbacks.
+weight's work, W computes it. Checked against a fused backward on a small block (``host_stage``'s test runs Hugging Face
+Llama blocks, the engine tiers train them): exact gradients, no custom autograd node in the
+graph, W's input kept through the saved-tensor hooks (meter, offload, checkpoint), a second
+backward, ``torch.autograd.grad``, in-place changes on either side of the GEMM, and the calls
+that take the routed path instead.
 """
 
 from __future__ import annotations
@@ -261,3 +263,117 @@ def test_the_host_stage_benchmark_runs_every_way(tmp_path: Any) -> None:
     for way in host_stage.WAYS:
         assert f"| {way} |" in text
     assert "x fused" in text and "F x plain" in text
+
+
+def _warm(block: nn.Module, store: WeightGradStore) -> None:
+    """The scope's first forward (routed whole) done, gradients cleared: later forwards split on the graph."""
+    _split(block, store, _inputs(1))
+    block.zero_grad(set_to_none=True)
+
+
+def test_a_second_backward_through_a_retained_graph_adds_the_weight_gradient_again() -> None:
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    x = _inputs(1)[0]
+    out = reference(x.clone().requires_grad_()).square().sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    with store.forward_of(5, scope="stage"):
+        split_out = block(x.clone().requires_grad_()).square().sum()
+    with store.deferring(5):
+        split_out.backward(retain_graph=True)
+        split_out.backward()
+    store.run(5)
+    for (name, got), want in zip(block.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_autograd_grad_returns_input_gradients_and_leaves_weights_alone() -> None:
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    x = _inputs(1)[0]
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(reference(leaf).square().sum(), leaf)
+    leaf = x.clone().requires_grad_()
+    with store.forward_of(6, scope="stage"):
+        out = block(leaf).square().sum()
+    with store.backward_of(6, defer=False):
+        (got,) = torch.autograd.grad(out, leaf)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert all(p.grad is None for p in block.parameters()) and store.pending() == []
+
+
+def test_an_input_changed_in_place_after_the_forward_is_named_not_used() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    hidden = _inputs(1)[0].requires_grad_() * 1.0
+    with store.forward_of(8, scope="stage"):
+        out = block.fc1(hidden)
+    with torch.no_grad():
+        hidden.add_(100.0)
+    with store.deferring(8), pytest.raises(RuntimeError, match=r"input of 0.fc1 .* modified in place .* clone"):
+        out.sum().backward()
+
+
+def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
+    """A 3-D input's output is a view of the GEMM's: an in-place op on it rebases the view, and the
+    pre-hook must sit on the GEMM's own node to see the gradient."""
+
+    def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu_(block.fc1(x)).square().sum()
+
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    x = _inputs(1)[0]
+    run(reference, x.clone().requires_grad_()).backward()
+    with store.forward_of(9, scope="stage"):
+        out = run(block, x.clone().requires_grad_())
+    with store.deferring(9):
+        out.backward()
+    store.run(9)
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+class _Scale(torch.autograd.Function):
+    """A custom Function fed by a parameter only: its output is parameter-like to the routing."""
+
+    @staticmethod
+    def forward(ctx, w):  # type: ignore[no-untyped-def, override]
+        return w * 2.0
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        return g * 2.0
+
+
+def test_the_plan_of_each_kind_of_call() -> None:
+    from ds_vshape.runtime.split.graph_linear import GRAPH, PLAIN, ROUTED
+
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    fc, x = block.fc1, _inputs(1)[0].requires_grad_()
+    assert store.linear_plan(x, fc.weight, fc.bias) == PLAIN  # no unit's forward runs
+    with store.forward_of(10, scope="stage"):
+        assert store.linear_plan(x, fc.weight, fc.bias) == GRAPH
+        with torch.no_grad():
+            assert store.linear_plan(x, fc.weight, fc.bias) == PLAIN
+        assert store.linear_plan(x.detach(), fc.weight, fc.bias) == ROUTED  # no gradient for the input
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert store.linear_plan(x, fc.weight, fc.bias) == ROUTED
+        derived = _Scale.apply(block.fc1.weight)  # (3 DIM, DIM): a weight computed from a parameter
+        assert store.linear_plan(derived, fc.weight, fc.bias) == ROUTED
+        fc.weight.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
+        try:
+            assert store.linear_plan(x, fc.weight, fc.bias) == ROUTED
+        finally:
+            del fc.weight.ds_id

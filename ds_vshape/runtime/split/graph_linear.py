@@ -26,6 +26,7 @@ taken over (``take_over``): a subclass may have a forward of its own.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from enum import IntEnum
 from typing import Any, Callable, Protocol
 
 import torch
@@ -35,22 +36,31 @@ from torch import nn
 from .split_mode import RoutingStore, routing
 from .split_ops import _MatmulWork
 
-__all__ = ["GraphLinearStore", "SplitLinear", "take_over"]
+__all__ = ["GRAPH", "GRAPH_BIAS", "GraphLinearStore", "PLAIN", "Plan", "ROUTED", "SplitLinear", "take_over"]
 
 
-# What a ``SplitLinear`` call runs as: the store's ``linear_plan`` decides (one call per layer call).
-# GRAPH_BIAS: split on the graph with the bias's gradient in W as well.
-PLAIN, GRAPH, GRAPH_BIAS, ROUTED = 0, 1, 2, 3
+class Plan(IntEnum):
+    """What a ``SplitLinear`` call runs as; the store's ``linear_plan`` decides, once per call."""
+
+    PLAIN = 0  # no split unit's forward runs, or B computes every gradient the call has by design
+    GRAPH = 1  # split on autograd's graph
+    GRAPH_BIAS = 2  # split on the graph, with the bias's gradient in W as well (cheap_in_b off)
+    ROUTED = 3  # the routing's GEMM path (split_ops._SplitMatmul)
+
+
+PLAIN, GRAPH, GRAPH_BIAS, ROUTED = Plan.PLAIN, Plan.GRAPH, Plan.GRAPH_BIAS, Plan.ROUTED
 
 
 class GraphLinearStore(RoutingStore, Protocol):
     """What the graph split asks of the store, besides the routing's questions."""
 
-    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int: ...
+    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> Plan: ...
 
     def enter_module(self, delta: int) -> None: ...
 
     def capture(self, key: Hashable, work: _MatmulWork) -> None: ...
+
+    def owner_of(self, param: torch.Tensor) -> str: ...
 
 
 class _Bound:
@@ -83,14 +93,17 @@ class SplitLinear(nn.Linear):
             return F.linear(input, weight, bias)
         if plan == ROUTED:
             return _routed(store, input, weight, bias)
-        bias_in_w = plan == GRAPH_BIAS  # the bias's gradient waits for W too (cheap_in_b off)
+        bias_in_w = plan == GRAPH_BIAS
         out = F.linear(input, weight.detach(), bias.detach() if bias_in_w else bias)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         kept: Any = input  # detached in B: the graph behind it lives until then anyway
-        unpack = None
+        unpack, version = None, input._version  # autograd no longer saves the input: W's check is ours
         if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
-            kept, unpack = hooks[0](input.detach()), hooks[1]
-        out.grad_fn.register_prehook(_Capture(store, store.current, kept, unpack, weight, bias if bias_in_w else None))
+            kept, unpack, version = hooks[0](input.detach()), hooks[1], None
+        # The GEMM's own node: a 3-D input's output is a view of it, and an in-place op on that view
+        # would take the view's node out of the graph (the hook would never fire).
+        node = (out if out._base is None else out._base).grad_fn
+        node.register_prehook(_Capture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None))
         return out
 
 
@@ -117,19 +130,24 @@ def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
 class _Capture:
     """B's pre-hook on the GEMM node: parks the weight's work with the output gradient arriving there."""
 
-    __slots__ = ("store", "key", "kept", "unpack", "weight", "bias")
+    __slots__ = ("store", "key", "kept", "unpack", "version", "weight", "bias")
 
     def __init__(self, store: GraphLinearStore, key: Hashable, kept: Any, unpack: Callable[[Any], torch.Tensor] | None,
-                 weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.store, self.key, self.kept, self.unpack = store, key, kept, unpack
+                 version: int | None, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.store, self.key, self.kept, self.unpack, self.version = store, key, kept, unpack, version
         self.weight, self.bias = weight, bias
 
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         grad = grad_outputs[0]
-        kept, self.kept = self.kept, None  # from here the parked work holds it, not the node
-        if grad is None or kept is None:
+        if grad is None:
             return None
-        x = self.unpack(kept) if self.unpack is not None else kept
+        # ``kept`` stays with the node (freed with it): a backward with retain_graph may come again.
+        x = self.unpack(self.kept) if self.unpack is not None else self.kept
+        if self.version is not None and x._version != self.version:
+            raise RuntimeError(
+                f"ds_vshape split backward: the input of {self.store.owner_of(self.weight)} was modified in place "
+                "after its forward, but its weight gradient needs it as the forward saw it: clone the tensor before "
+                "modifying it in place (as autograd itself would demand of a saved tensor)")
         x = x.detach() if x.requires_grad else x  # a checkpoint's recomputed tensor may carry a graph
         self.store.capture(self.key, _MatmulWork("linear", x, grad, self.weight, self.bias))
         return None

@@ -1,12 +1,14 @@
 """Split backward: B computes input gradients now, W computes the weight gradients later.
 
-This module owns the store; ``split_mode`` (routing), ``split_ops`` (the split autograd
-functions) and ``split_graph`` (custom autograd Functions) take it as a parameter.
+This module owns the store; ``graph_linear`` (``nn.Linear`` split on autograd's graph),
+``split_mode`` (routing), ``split_ops`` (the split autograd functions), ``split_graph`` (custom
+autograd Functions) and ``module_hooks`` take it as a parameter.
 
-While a unit's forward runs (``forward_of``), every operation that consumes a trainable
-parameter of the stage goes through an autograd function of ``split_ops`` (routing:
-``split_mode``), and every custom autograd Function node that takes one is taken over by
-``split_graph``. In the unit's B (``deferring``) they compute only input gradients and park,
+While a unit's forward runs (``forward_of``), a plain ``nn.Linear`` runs its GEMM on the weight
+detached and a pre-hook on autograd's node parks its work in B (``graph_linear``); every other
+operation that consumes a trainable parameter of the stage goes through an autograd function
+of ``split_ops`` (routing: ``split_mode``), and every custom autograd Function node that takes
+one is taken over by ``split_graph``. In the unit's B (``deferring``) they compute only input gradients and park,
 per unit, what the parameter gradients need: the GEMMs' input and output gradient, for other
 operations (embeddings, custom parameters) the small re-run graph of that one operation and
 its output gradient, for a custom Function its saved tensors and output gradients. The
@@ -25,7 +27,7 @@ path matches one of ``enable_split_backward``'s ``in_b`` patterns (``pipeline.we
 W then keeps less, B takes their time). They park nothing and never warn; a tensor computed
 from such parameters only is computed in B too (``grad_in_b``).
 
-W accumulates through ``torch.autograd.backward`` on the parameter, so DeepSpeed's
+W accumulates through autograd's engine on the parameter (its AccumulateGrad node), so DeepSpeed's
 post-accumulate hooks and the bf16 optimizer see the gradient as if autograd had produced it.
 A deferred parameter whose gradient still lands during B (used in place, say, or by a custom
 Function whose backward computes it anyway) is exact but not deferred: a warning names its
@@ -45,7 +47,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, take_over
+from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, Plan, take_over
 from .in_b import matching, module_paths
 from .module_hooks import route_forward, routed_checkpoint
 from .split_mode import DeferMode, param_like
@@ -91,6 +93,7 @@ class WeightGradStore:
         self._whole: set[Hashable] = set()  # units whose last forward was routed whole
         self._module_depth = 0  # modules owning deferred parameters now running their forward
         self._outside = False  # this forward consumed a deferred parameter outside such modules
+        self._inputs_only = 0  # torch.autograd.grad calls running (graph_linear's captures add nothing then)
 
     # ---- contexts the engine opens --------------------------------------------------------------
     @contextmanager
@@ -173,13 +176,11 @@ class WeightGradStore:
     def is_deferring(self, key: Hashable) -> bool:
         return key in self._deferring
 
-    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-        """What a ``SplitLinear`` call runs as (``graph_linear``): PLAIN (no split unit's forward runs, or
-        B computes every gradient it has by design), GRAPH (split on autograd's graph; GRAPH_BIAS: with
-        the bias's gradient in W too), ROUTED (the
-        routing's GEMM path: a whole-routed forward, an input computed from parameters or without a
-        gradient, a weight ZeRO-3 partitions). One call with the attributes read inline: it runs
-        for every linear layer of every split forward."""
+    def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
+        """What a ``SplitLinear`` call runs as (``graph_linear.Plan``). ROUTED: a whole-routed forward, an
+        input computed from parameters or without a gradient, a weight ZeRO-3 partitions, autocast (a
+        detached weight would miss autocast's cast cache: a copy of it saved per call). One call with
+        the attributes read inline: it runs for every linear layer of every split forward."""
         key, in_b = self._current, self._in_b
         if key is None or self._suspended or not torch.is_grad_enabled():
             return PLAIN
@@ -187,7 +188,7 @@ class WeightGradStore:
             return PLAIN if bias is None or not bias.requires_grad or id(bias) in in_b else ROUTED
         if key in self._whole or type(x) is not torch.Tensor or not x.requires_grad or x.dim() < 2 or hasattr(weight, "ds_id"):
             return ROUTED
-        if id(x) in self._param_ids or hasattr(x, _DERIVED):
+        if id(x) in self._param_ids or hasattr(x, _DERIVED) or torch.is_autocast_enabled(x.device.type):
             return ROUTED
         if isinstance(x.grad_fn, BackwardCFunction) and param_like(self, x):  # a custom Function fed by parameters
             return ROUTED
@@ -243,11 +244,23 @@ class WeightGradStore:
             self._refs[ptr] = after
 
     def capture(self, key: Hashable, work: ParkedWork) -> None:
-        """B reached a GEMM split on the graph (``graph_linear``): park its work; a fused backward runs it now."""
+        """B reached a GEMM split on the graph (``graph_linear``): park its work; a fused backward runs it
+        now; ``torch.autograd.grad`` (``inputs_only``) wants no parameter gradient, so nothing runs."""
+        if self._inputs_only:
+            return
         if key in self._deferring:
             self.park(key, work)
         else:
             work.run()
+
+    @contextmanager
+    def inputs_only(self) -> Iterator[None]:
+        """A ``torch.autograd.grad`` call runs inside (the routing sees it): it leaves ``.grad`` alone."""
+        self._inputs_only += 1
+        try:
+            yield
+        finally:
+            self._inputs_only -= 1
 
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""

@@ -60,6 +60,8 @@ class RoutingStore(GraphStore, Protocol):
 
     def mark_param_like(self, out: Any, *, in_b: bool) -> None: ...
 
+    def inputs_only(self) -> ContextManager[None]: ...
+
 
 class DeferMode(TorchFunctionMode):
     """Sends the parameter-consuming calls of ``store.current``'s unit through split backward."""
@@ -79,6 +81,9 @@ class DeferMode(TorchFunctionMode):
             # before autograd reaches them (a stage output may come straight out of one).
             if store.current is not None and not store.is_suspended:
                 inspect_outputs(store, (args, kwargs.get("outputs"), kwargs.get("tensors")))
+            if func is torch.autograd.grad:  # returns gradients, accumulates none: graph_linear must not either
+                with store.inputs_only():
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         if store.current is None or store.is_suspended or not torch.is_grad_enabled() or not _touches_params(store, args, kwargs):
             return func(*args, **kwargs)

@@ -7,7 +7,7 @@ see ``split_mode``) meets the activations. Its backward has two modes:
 * B (the unit is deferring): the input gradients, and the gradients of the parameters that
   B computes by design (``in_b``: norm scales and biases); what the other parameters'
   gradients need is parked in the store as a ``ParkedWork``, whose ``run()`` (the unit's W)
-  accumulates them into ``.grad`` through ``torch.autograd.backward`` on the parameter, so
+  accumulates them into ``.grad`` through autograd's engine on the parameter (``accumulate``), so
   DeepSpeed's accumulate hooks and the bf16 optimizer see them exactly as from a fused backward.
 
 ``_SplitMatmul`` is the fast path for the GEMMs (``F.linear``, ``x @ W``, ``addmm``): B is one
