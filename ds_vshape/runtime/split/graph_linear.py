@@ -127,6 +127,9 @@ def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
     return True
 
 
+_USED = object()  # what a _Capture keeps once its backward has run
+
+
 class _Capture:
     """B's pre-hook on the GEMM node: parks the weight's work with the output gradient arriving there."""
 
@@ -141,8 +144,15 @@ class _Capture:
         grad = grad_outputs[0]
         if grad is None:
             return None
-        # ``kept`` stays with the node (freed with it): a backward with retain_graph may come again.
-        x = self.unpack(self.kept) if self.unpack is not None else self.kept
+        # Let go of it here, as autograd frees a node's saved tensors when it runs: the meter and offload
+        # count it off now, and the parked work holds what W needs. A second backward finds nothing.
+        kept, self.kept = self.kept, _USED
+        if kept is _USED:
+            raise RuntimeError(
+                f"ds_vshape split backward: a second backward through {self.store.owner_of(self.weight)} "
+                "(retain_graph) is not supported in a split unit: its first backward already handed the input "
+                "to W. Run the unit's backward once, or pick a schedule without split backward")
+        x = self.unpack(kept) if self.unpack is not None else kept
         if self.version is not None and x._version != self.version:
             raise RuntimeError(
                 f"ds_vshape split backward: the input of {self.store.owner_of(self.weight)} was modified in place "
