@@ -39,7 +39,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -155,14 +155,18 @@ class WeightGradStore:
         finally:
             self._current = previous
 
-    @contextmanager
-    def suspended(self) -> Iterator[None]:
+    def suspended(self) -> AbstractContextManager[None]:
         """Operations run inside are not routed (split_ops re-running one operation)."""
-        self._suspended += 1
+        return self._raised("_suspended")
+
+    @contextmanager
+    def _raised(self, counter: str) -> Iterator[None]:
+        """``counter`` (a depth: nested calls add up) one higher while the block runs."""
+        setattr(self, counter, getattr(self, counter) + 1)
         try:
             yield
         finally:
-            self._suspended -= 1
+            setattr(self, counter, getattr(self, counter) - 1)
 
     # ---- what the routing asks -------------------------------------------------------------------
     @property
@@ -253,14 +257,9 @@ class WeightGradStore:
         else:
             work.run()
 
-    @contextmanager
-    def inputs_only(self) -> Iterator[None]:
+    def inputs_only(self) -> AbstractContextManager[None]:
         """A ``torch.autograd.grad`` call runs inside (the routing sees it): it leaves ``.grad`` alone."""
-        self._inputs_only += 1
-        try:
-            yield
-        finally:
-            self._inputs_only -= 1
+        return self._raised("_inputs_only")
 
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
