@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -53,7 +52,8 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, _ds_config, _micro_batches, run_everywhere  # noqa: E402
+from benchmarks.bench_emulated import ds_config, sample_micro_batches  # noqa: E402
+from benchmarks.common import append_jsonl, record_case, run_everywhere  # noqa: E402
 from benchmarks.hops import hop_latency  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
 from ds_vshape.runtime.program import instructions as ins  # noqa: E402
@@ -185,8 +185,8 @@ def build(schedule: str, profile: str, placement: str, args: argparse.Namespace,
             pipeline["auto_warmup_steps"] = args.auto_warmup_steps
     if limit is not None and (schedule == "auto" or get_info(schedule).memory_limit):
         pipeline["memory_limit"] = limit
-    engine, *_ = ds_vshape.initialize(model=module, config=_ds_config(m, args.rows, pipeline))
-    return engine, itertools.cycle(_micro_batches(args, m))
+    engine, *_ = ds_vshape.initialize(model=module, config=ds_config(m, args.rows, pipeline))
+    return engine, itertools.cycle(sample_micro_batches(args, m))
 
 
 def run_case(schedule: str, profile: str, placement: str, args: argparse.Namespace, p: int, m: int) -> dict[str, Any]:
@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     w_memory = 0.5  # what EmuLayer's split backward keeps (ds_vshape's default pipeline.w_memory until it became 1)
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        _append(args.out, {"kind": "latency", "p": p, **latency})
-        _append(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        append_jsonl(args.out, {"kind": "latency", "p": p, **latency})
+        append_jsonl(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "w_memory": w_memory})
     rounds = args.rounds * len(args.m) if len(args.rounds) == 1 else args.rounds
     if len(rounds) != len(args.m):
@@ -280,19 +280,18 @@ def main(argv: list[str] | None = None) -> None:
                       "round": rnd, "memory_limit": memory_limit(profile, args, p),
                       "layer_times": layer_times(profile, placement, args, p), "wall_s": time.perf_counter() - t0,
                       "ranks": gathered}
-            _append(args.out, record)
-            errs = [g["error"] for g in gathered if "error" in g]
-            if errs:
-                status = "ERROR " + errs[0][:300]
-            else:
-                med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
-                status = f"step {med * 1e3:7.1f} ms"
-                if name == "auto":
-                    a = gathered[0]["auto"]
-                    status += f"  -> {a['choice']} (predicted {a['predicted_s'] * 1e3:.1f} ms)"
+            status = record_case(args.out, record, gathered, lambda med: _step_status(med, name, gathered[0]), error_chars=300)
             label = "=".join([name, *same])
             print(f"[auto p={p} m={m} {profile} {placement:6s} round {rnd}] {label:15s} {status}  ({record['wall_s']:.1f} s)", flush=True)
     dist.barrier()
+
+
+def _step_status(med: float, name: str, rank0: dict[str, Any]) -> str:
+    status = f"step {med * 1e3:7.1f} ms"
+    if name == "auto":
+        a = rank0["auto"]
+        status += f"  -> {a['choice']} (predicted {a['predicted_s'] * 1e3:.1f} ms)"
+    return status
 
 
 if __name__ == "__main__":

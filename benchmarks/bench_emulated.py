@@ -15,14 +15,10 @@ engines, the wall time spent in each instruction handler.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
-import json
 import os
-import statistics
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -40,6 +36,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
 from benchmarks.async_device import AsyncDevice, ReadyTable, TransferModel, default_table_path  # noqa: E402
+from benchmarks.common import append_jsonl, record_case, run_everywhere  # noqa: E402
 from benchmarks.emulated import DEVICE, EmuLayer, metered_loss, mse  # noqa: E402
 from benchmarks.hops import hop_latency  # noqa: E402
 from benchmarks.probe import Probe, instrument_engine  # noqa: E402
@@ -116,7 +113,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 # ---- systems ---------------------------------------------------------------------------------
-def _ds_config(m: int, rows: int, pipeline: dict[str, Any], *, clip: float = 0.0) -> dict[str, Any]:
+def ds_config(m: int, rows: int, pipeline: dict[str, Any], *, clip: float = 0.0) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": rows,
         "gradient_accumulation_steps": m,
@@ -154,7 +151,7 @@ def build_deepspeed_like(system: str, schedule: str, args: argparse.Namespace, p
         module = PipelineModule(specs, num_stages=p, loss_fn=loss, partition_method="uniform")
     if system == "ds_vshape":
         # Memory is measured every step, as for the other systems (the report compares it).
-        config = _ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120,
+        config = ds_config(m, args.rows, {"schedule": schedule, "partition_method": "uniform", "p2p_timeout_s": 120,
                                            "measure_memory": True, **getattr(args, "pipeline_extra", {})},
                             clip=getattr(args, "clip", 0.0))
         engine, *_ = ds_vshape.initialize(model=module, config=config)
@@ -162,11 +159,11 @@ def build_deepspeed_like(system: str, schedule: str, args: argparse.Namespace, p
         instrument_engine(engine, probe, meter_forward=False)
         runner.peak = lambda: int(engine.peak_activation_bytes)
     else:
-        config = _ds_config(m, args.rows, {}, clip=getattr(args, "clip", 0.0))
+        config = ds_config(m, args.rows, {}, clip=getattr(args, "clip", 0.0))
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=[q for q in module.parameters()])
         instrument_engine(engine, probe, meter_forward=True)
         runner.peak = lambda: int(probe.meter.peak_bytes)  # type: ignore[union-attr]
-    data = _micro_batches(args, m)
+    data = sample_micro_batches(args, m)
     it = itertools.cycle(data)
     runner.step = lambda: engine.train_batch(it)
     runner.probe = probe
@@ -215,7 +212,7 @@ def build_torch(schedule: str, args: argparse.Namespace, p: int, m: int, rank: i
     cls = getattr(pipelining, TORCH_CLASS[schedule])
     sched = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=m, loss_fn=metered_loss(mse))
     opt = torch.optim.SGD(params, lr=1e-3)
-    data = _micro_batches(args, m)
+    data = sample_micro_batches(args, m)
     x = torch.cat([d[0] for d in data])
     y = torch.cat([d[1] for d in data])
     first, last = 0 in ids, num_stages - 1 in ids
@@ -237,51 +234,12 @@ def build_torch(schedule: str, args: argparse.Namespace, p: int, m: int, rank: i
     return runner
 
 
-def _micro_batches(args: argparse.Namespace, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def sample_micro_batches(args: argparse.Namespace, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(args.rows, args.dim, generator=g), torch.randn(args.rows, args.dim, generator=g)) for _ in range(m)]
 
 
 # ---- measurement -----------------------------------------------------------------------------
-def _process_groups() -> set[Any]:
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map)
-
-
-def release_groups(before: set[Any]) -> int:
-    """Destroy the process groups a case created (DeepSpeed makes ~10 per engine).
-
-    Each gloo group keeps threads, and they are not free: with a few dozen engines'
-    worth alive in one process, later cases ran up to 2x slower. Every rank calls this
-    after the case's final collective.
-    """
-    from torch.distributed import distributed_c10d
-
-    new = [pg for pg in _process_groups() - before if pg is not distributed_c10d.GroupMember.WORLD]
-    for pg in new:
-        dist.destroy_process_group(pg)
-    return len(new)
-
-
-def run_everywhere(case: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run one case on every rank and return every rank's result. An exception is recorded as
-    the rank's result (so the other cases still run); the process groups the case made are
-    released after the final collective."""
-    groups = _process_groups()
-    try:
-        mine = case()
-    except Exception as err:  # recorded so the other cases still run
-        mine = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    gc.collect()
-    dist.barrier()
-    release_groups(groups)
-    gc.collect()
-    return gathered
-
-
 def run_case(system: str, schedule: str, args: argparse.Namespace, p: int, m: int, rank: int) -> dict[str, Any]:
     t_build = time.perf_counter()
     if system == "torch":
@@ -332,10 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     table = start_async_device(args, rank) if args.device == "async" else None
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        _append(args.out, {"kind": "latency", "p": p, **latency})
+        append_jsonl(args.out, {"kind": "latency", "p": p, **latency})
         if table is not None:
             hop = TransferModel(args.latency_us * 1e-6, args.bandwidth_gbs * 1e9).seconds(args.rows * args.dim * 4)
-            _append(args.out, {"kind": "device", "device": "async", "p": p, "latency_s": args.latency_us * 1e-6,
+            append_jsonl(args.out, {"kind": "device", "device": "async", "p": p, "latency_s": args.latency_us * 1e-6,
                                "bandwidth_bps": args.bandwidth_gbs * 1e9, "hop_s": hop})
         print(f"[bench p={p}] one-hop latency: gloo {latency['gloo_send_recv_s'] * 1e3:.3f} ms, "
               f"ds_vshape P2P {latency['ds_vshape_p2p_s'] * 1e3:.3f} ms, barrier {latency['barrier_s'] * 1e3:.3f} ms", flush=True)
@@ -352,24 +310,13 @@ def main(argv: list[str] | None = None) -> None:
                       "round": rnd, "device": args.device, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
                       "layers_per_rank": args.layers_per_rank, "dim": args.dim, "rows": args.rows, "wall_s": time.perf_counter() - t0,
                       "ranks": gathered}
-            _append(args.out, record)
-            errs = [g["error"] for g in gathered if "error" in g]
-            if errs:
-                status = "ERROR " + errs[0][:200]
-            else:
-                med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
-                status = f"step {med:.3f} s"
+            status = record_case(args.out, record, gathered, lambda med: f"step {med:.3f} s")
             tag = "async " if args.device == "async" else ""  # sync lines stay as ab.sh parses them
             print(f"[bench {tag}p={p} m={m} T={t_pass * 1e3:g}ms round {rnd}] {system:9s} {schedule:22s} {status}  ({record['wall_s']:.1f} s)",
                   flush=True)
     dist.barrier()
     if table is not None and rank == 0:
         table.unlink()
-
-
-def _append(path: Path, obj: dict[str, Any]) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(obj) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 import deepspeed  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
+from benchmarks.common import append_jsonl, run_everywhere  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, batches, load_tokens, tokenizer_for  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         gathered = run_everywhere(lambda: run_case(schedule, float(share or 0), args, p, train_ids))
         if rank == 0:
             record = {"kind": "case", "schedule": schedule, "share": float(share or 0), "p": p, "ranks": gathered}
-            _append(args.out, record)
+            append_jsonl(args.out, record)
             errors = [g["error"] for g in gathered if "error" in g]
             if errors:
                 print(f"[offload p={p}] {case}: ERROR {errors[0][:400]}", flush=True)

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 import deepspeed  # noqa: E402
 
 import ds_vshape  # noqa: E402
-from benchmarks.bench_emulated import _append, run_everywhere  # noqa: E402
+from benchmarks.common import append_jsonl, run_everywhere  # noqa: E402
 from ds_vshape.config import parse_pipeline_config  # noqa: E402
 from ds_vshape.runtime.program import instructions as ins  # noqa: E402
 from ds_vshape.schedules import get_info  # noqa: E402
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     train_ids, _ = load_tokens(DEFAULT_DATA, tokenizer_for(args.model))
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        _append(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
+        append_jsonl(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     plan = [(rnd, method, schedule, in_b, w) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules
             for in_b in ([], *args.in_b) for w in (args.w_memory or [None])
             if get_info(schedule).split_backward or (not in_b and w in (None, args.w_memory[0]))]
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             record = {"kind": "case", "schedule": schedule, "method": method, "round": rnd, "p": p, "wall_s": time.perf_counter() - t0,
                       "in_b": in_b, "w_memory": w, "ranks": gathered}
             records.append(record)
-            _append(args.out, record)
+            append_jsonl(args.out, record)
             errs = [g["error"] for g in gathered if "error" in g]
             if errs:
                 status = "ERROR " + errs[0][:300]

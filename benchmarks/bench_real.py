@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import resource
-import statistics
 import sys
 import time
 import traceback
@@ -43,6 +42,7 @@ from deepspeed.pipe import PipelineModule  # noqa: E402
 
 import ds_vshape  # noqa: E402
 from benchmarks.bench_emulated import DS_VSHAPE_SCHEDULES  # noqa: E402
+from benchmarks.common import append_jsonl, record_case  # noqa: E402
 from benchmarks.hops import hop_latency  # noqa: E402
 from benchmarks.probe import Probe, instrument_engine  # noqa: E402
 from benchmarks.emulated import metered_loss  # noqa: E402
@@ -159,10 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     # One hop of an activation-sized message: what the simulator charges per transfer.
     latency = hop_latency(rank, 4 * args.seq_len * args.hidden, iters=100)
     if rank == 0:
-        with args.out.open("a") as fh:
-            fh.write(json.dumps({"kind": "latency", "p": p, **latency}) + "\n")
-            if args.variants:
-                fh.write(json.dumps({"kind": "variants", "variants": args.variants}) + "\n")
+        append_jsonl(args.out, {"kind": "latency", "p": p, **latency})
+        if args.variants:
+            append_jsonl(args.out, {"kind": "variants", "variants": args.variants})
     for round_ in range(args.rounds):
         # Every engine is built first and the schedules take turns step by step: a slow spell of
         # the machine then falls on all of them alike, not on whichever ran at the time.
@@ -187,14 +186,8 @@ def report(runner: Runner, round_: int, args: argparse.Namespace, rank: int, p: 
         system, name = ("deepspeed", "1f1b") if schedule == "deepspeed-1f1b" else ("ds_vshape", schedule)
         rec = {"kind": "real", "system": system, "schedule": name, "p": p, "round": round_, "model": model_of(args),
                "ranks": gathered}
-        with args.out.open("a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-        errs = [g["error"] for g in gathered if "error" in g]
-        if errs:
-            status = "ERROR " + errs[0][:200]
-        else:
-            med = statistics.median(s["step_s"] for s in gathered[0]["steps"])
-            status = f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s"
+        status = record_case(args.out, rec, gathered,
+                             lambda med: f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s")
         print(f"[real p={p} round {round_}] {system:9s} {name:14s} {status}", flush=True)
 
 

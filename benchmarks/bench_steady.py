@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deepspeed  # noqa: E402
 
 from benchmarks import bench_emulated as be  # noqa: E402
+from benchmarks.common import append_jsonl, run_everywhere  # noqa: E402
 from benchmarks.emulated import DEVICE  # noqa: E402
 from ds_vshape.runtime.step_end import post_validation as pv  # noqa: E402
 from ds_vshape.runtime.step_end.step import OptimizerStepMixin  # noqa: E402
@@ -163,14 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         hop = be.TransferModel(args.latency_us * 1e-6, args.bandwidth_gbs * 1e9).seconds(args.rows * args.dim * 4)
-        be._append(args.out, {"kind": "setup", "p": p, "t_pass_s": args.t_pass, "hop_s": hop, "steps": args.steps,
-                           "warmup": args.warmup, "layers_per_rank": args.layers_per_rank})
+        append_jsonl(args.out, {"kind": "setup", "p": p, "t_pass_s": args.t_pass, "hop_s": hop, "steps": args.steps,
+                                "warmup": args.warmup, "layers_per_rank": args.layers_per_rank})
     for m, case in itertools.product(args.m, cases):
-        gathered = be.run_everywhere(lambda: run_case(case, args, p, m, rank))
+        gathered = run_everywhere(lambda: run_case(case, args, p, m, rank))
         if rank == 0:
             label, system, schedule, keys, clip = case
-            be._append(args.out, {"kind": "case", "label": label, "system": system, "schedule": schedule, "pipeline": keys,
-                               "clip": clip, "p": p, "m": m, "t_pass_s": args.t_pass, "ranks": gathered})
+            append_jsonl(args.out, {"kind": "case", "label": label, "system": system, "schedule": schedule, "pipeline": keys,
+                                    "clip": clip, "p": p, "m": m, "t_pass_s": args.t_pass, "ranks": gathered})
             print(f"[steady p={p} m={m}] {label:24s} {_status(gathered, args.steps)}", flush=True)
     dist.barrier()
     if rank == 0:

@@ -10,10 +10,10 @@ The recipe's tiny Llama (``recipes/train_hf.py --size tiny``: hidden 64, 8 block
 8 micro-batches of 4 rows) on 2 gloo ranks of one thread each: every kernel takes microseconds,
 so what a rank spends is host work (Python, dispatcher, autograd, transfers), the regime where
 an engine's own per-instruction cost shows. One engine per schedule (stock DeepSpeed 1F1B, and
-ds_vshape's 1f1b, zb-h1, zb-h2, v-zb, v-half and seq1f1b with 2 sequence chunks), all built
-first; then the engines take turns step by step, each step framed by barriers, so that a slow
-spell of the machine (other load) falls on all of them alike. The activation meter stays off
-(its hooks are a measurement, not the engine's cost).
+ds_vshape's 1f1b, zb-h1, zb-h2, v-zb, v-half and seq1f1b with 2 sequence chunks; ``NAME+profile``
+adds ``partition_method: profile``), all built first; then the engines take turns step by step,
+each step framed by barriers, so that a slow spell of the machine (other load) falls on all of
+them alike. The activation meter stays off (its hooks are a measurement, not the engine's cost).
 
 Per rank and step it records, for every instruction type, the calls, their wall time and the
 main thread's CPU time (``time.thread_time``): CPU time is what the host spent, which other load
@@ -53,13 +53,18 @@ import deepspeed  # noqa: E402
 import ds_vshape  # noqa: E402
 from recipes.cores import this_rank  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens  # noqa: E402
-from benchmarks.report_host_engine import commit, write_report  # noqa: E402
+from benchmarks.common import append_jsonl, cpu_model, git_commit  # noqa: E402
+from benchmarks.report_host_engine import write_report  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "HandlerClock", "build", "main"]
 
 SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h2", "v-zb", "v-half", "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
+# ``--schedules v-zb+profile``: the schedule with ``partition_method: profile``. A V placement puts
+# the embedding, the LM head and the loss on rank 0; the recipe's parameter-count cut does not
+# see what they cost, a measured one does (README "Measured decisions").
+PROFILE = "+profile"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,10 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- engines --------------------------------------------------------------------------------
-def config_of(schedule: str) -> dict[str, Any]:
-    config = json.loads((ROOT / "ds_configs" / f"{schedule}.json").read_text())
-    if schedule == "seq1f1b":
+def config_of(schedule: str, *, seq_len: int) -> dict[str, Any]:
+    base = schedule.removesuffix(PROFILE)
+    config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
+    if base == "seq1f1b":
         config["pipeline"] = {**config["pipeline"], "seq_chunks": SEQ_CHUNKS}
+    if schedule.endswith(PROFILE):
+        sample = {"shape": [config["train_micro_batch_size_per_gpu"], seq_len], "dtype": "int64", "high": ByteTokenizer().vocab_size}
+        config["pipeline"] = {**config["pipeline"], "partition_method": "profile", "profile_sample": {"inputs": sample}}
     return config
 
 
@@ -87,7 +96,7 @@ def build(schedule: str, seq_len: int, p: int) -> tuple[Any, int]:
     tok = ByteTokenizer()
     recipe = argparse.Namespace(model="llama", size="tiny", seq_len=seq_len, attn_implementation="sdpa", seed=1234)
     module = build_module(recipe, tok.vocab_size, p)
-    config = config_of(schedule)
+    config = config_of(schedule, seq_len=seq_len)
     params = [q for q in module.parameters() if q.requires_grad]
     engine, *_ = ds_vshape.initialize(model=module, model_parameters=params, config=config)
     if hasattr(engine, "measure_memory"):
@@ -185,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.all_gather_object(cpus, this_rank())
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        _append(args.out, {"kind": "setting", "p": p, "seq_len": args.seq_len, "ranks": [vars(c) for c in cpus],
-                           "cpu": _cpu_model(), "load_before": _loadavg(), "versions": _versions(), "commit": commit()})
+        append_jsonl(args.out, {"kind": "setting", "p": p, "seq_len": args.seq_len, "ranks": [vars(c) for c in cpus],
+                                "cpu": _cpu_model(), "load_before": _loadavg(), "versions": _versions(),
+                                "commit": git_commit(" (with uncommitted changes to ds_vshape)")})
     for round_ in range(args.rounds):
         runners = [Runner(s, args, p) for s in args.schedules]
         for i in range(args.warmup + args.steps):
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         del runners
         gc.collect()
     if rank == 0:
-        _append(args.out, {"kind": "end", "load_after": _loadavg()})
+        append_jsonl(args.out, {"kind": "end", "load_after": _loadavg()})
         if args.md is not None:
             write_report(args.out, args.md)
     dist.barrier()
@@ -208,16 +218,11 @@ def _report(runner: Runner, round_: int, out: Path, rank: int, p: int) -> None:
     ranks: list[Any] = [None] * p
     dist.all_gather_object(ranks, runner.steps)
     if rank == 0:
-        _append(out, {"kind": "steps", "schedule": runner.schedule, "round": round_, "tokens_per_step": runner.tokens,
-                      "ranks": ranks})
+        append_jsonl(out, {"kind": "steps", "schedule": runner.schedule, "round": round_, "tokens_per_step": runner.tokens,
+                           "ranks": ranks})
         med = sorted(s["step_s"] for s in ranks[0])[len(ranks[0]) // 2]
         print(f"[host_engine round {round_}] {runner.schedule:15s} step {1e3 * med:7.1f} ms  "
               f"{runner.tokens / med:9,.0f} tok/s", flush=True)
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
 
 
 def _loadavg() -> str:
@@ -228,15 +233,9 @@ def _loadavg() -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform  # noqa: PLC0415
 
-    return platform.processor() or platform.machine()
+    return cpu_model() or platform.processor() or platform.machine()
 
 
 def _versions() -> dict[str, str]:

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import git_commit  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
 from recipes.train_hf import preset_config, seed_layer  # noqa: E402
@@ -286,10 +287,8 @@ def measure(*, size: str, attn: str, seq_len: int, in_b: Sequence[str] = ()) -> 
 
 
 def render(results: list[Measured], command: str) -> str:
-    from benchmarks.report_auto import commit  # here: it imports matplotlib, which measuring does not need
-
     parts = ["# What split backward keeps for W (`benchmarks/kept_share.py`)", "",
-             (f"Command: `{command}`; commit {commit()}; torch {torch.__version__}; single process, fp32, "
+             (f"Command: `{command}`; commit {git_commit()}; torch {torch.__version__}; single process, fp32, "
              f"micro-batches of {MICRO_BATCH} sequences. Bytes are unique storages (parameters excluded); "
              "the floor comes from the layer's parameter GEMMs alone (each distinct input once, every output's gradient)."), ""]
     for m in results:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import cell, machine_info  # noqa: E402
 from benchmarks.report_rows import (  # noqa: E402
     build_rows, read_jsonl, targets,
 )
@@ -78,10 +77,6 @@ def targets_markdown(ts: list[dict[str, Any]]) -> str:
 
 
 # ---- tables ----------------------------------------------------------------------------------
-def _f(x: Any, fmt: str) -> str:
-    return "" if x is None else format(x, fmt)
-
-
 def sensitivity_markdown(rows: list[dict[str, Any]], sens: list[dict[str, Any]]) -> list[str]:
     """The same cases with longer passes: what a fixed per-instruction cost does to the figures."""
     out: list[str] = []
@@ -112,8 +107,8 @@ def sensitivity_markdown(rows: list[dict[str, Any]], sens: list[dict[str, Any]])
         base = next((b for b in rows if (b["system"], b["schedule"], b["p"], b["m"]) == (r["system"], r["schedule"], r["p"], r["m"])
                      and "efficiency" in b), None)
         out.append(f"| {r['system']} | {r['schedule']} | {r['p']} | {r['m']} | {r['t_pass_s'] * 1e3:.0f} | {r['step_time_s']:.3f} "
-                   f"| {r['efficiency']:.3f} | {_f(r.get('sim_gap'), '+.1%')} | {_f(r.get('sim_calibrated_gap'), '+.1%')} "
-                   f"| {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')} | {_f(base['efficiency'] if base else None, '.3f')} |")
+                   f"| {r['efficiency']:.3f} | {cell(r.get('sim_gap'), '+.1%', '')} | {cell(r.get('sim_calibrated_gap'), '+.1%', '')} "
+                   f"| {cell(r.get('speedup_vs_deepspeed_1f1b'), '.3f', '')} | {cell(base['efficiency'] if base else None, '.3f', '')} |")
     out.append("")
     return out
 
@@ -150,14 +145,14 @@ def emulated_markdown(rows: list[dict[str, Any]], machine: dict[str, Any], laten
                 out.append(f"| {r['system']} | {name} | {r['v']} | error: {r['error'][:120]} |" + " |" * 12)
                 continue
             passes = r.get("pass_ms", {})
-            pm = " / ".join(_f(passes.get(k), ".1f") or "-" for k in ("F", "B", "W", "BW")) if passes else ""
+            pm = " / ".join(cell(passes.get(k), ".1f", "") or "-" for k in ("F", "B", "W", "BW")) if passes else ""
             out.append(
                 f"| {r['system']} | {name} | {r['v']} | {r['step_time_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.3f} "
-                f"| {_f(r.get('sim_s'), '.3f')} | {_f(r.get('sim_gap'), '+.1%')} | {_f(r.get('sim_lowered_s'), '.3f')} "
-                f"| {_f(r.get('sim_calibrated_s'), '.3f')} "
-                f"| {_f(r.get('sim_calibrated_gap'), '+.1%')} | {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')} "
-                f"| {r['peak_activation_max_bytes'] / 1024:.0f} | {_f(r.get('mem_vs_deepspeed_1f1b'), '.3f')} "
-                f"| {_f(r.get('sim_mem_vs_1f1b'), '.3f')} | {pm} |"
+                f"| {cell(r.get('sim_s'), '.3f', '')} | {cell(r.get('sim_gap'), '+.1%', '')} | {cell(r.get('sim_lowered_s'), '.3f', '')} "
+                f"| {cell(r.get('sim_calibrated_s'), '.3f', '')} "
+                f"| {cell(r.get('sim_calibrated_gap'), '+.1%', '')} | {cell(r.get('speedup_vs_deepspeed_1f1b'), '.3f', '')} "
+                f"| {r['peak_activation_max_bytes'] / 1024:.0f} | {cell(r.get('mem_vs_deepspeed_1f1b'), '.3f', '')} "
+                f"| {cell(r.get('sim_mem_vs_1f1b'), '.3f', '')} | {pm} |"
             )
         out.append("")
     out += ["## Targets (issue 5)", "", targets_markdown(ts), ""]
@@ -228,52 +223,10 @@ def plot(rows: list[dict[str, Any]], path: Path, p: int = 4) -> None:
     plt.close(fig)
 
 
-
-
-# ---- machine ---------------------------------------------------------------------------------
-def _commit() -> str:
-    """The commit measured: run.sh records it when the run starts; else the current HEAD."""
-    recorded = RAW / "commit.txt"
-    if recorded.exists():
-        words = recorded.read_text().split()
-        if words:
-            return words[0] + (" (ds_vshape/ had uncommitted changes)" if "dirty" in words[1:] else "")
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-    return head + (" (ds_vshape/ has uncommitted changes)" if dirty else "")
-
-
-def machine_info() -> dict[str, Any]:
-    import deepspeed
-    import torch
-    import transformers
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    commit = _commit()
-    load = {}
-    for f in sorted(RAW.glob("load_*.txt")):
-        load[f.stem[5:]] = f.read_text().strip()
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-        "commit": commit, "load": load,
-    }
-
-
 def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
+    machine = machine_info(RAW)
     (RESULTS / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")
     lines = [x for f in sorted(RAW.glob("emulated_p*.jsonl")) for x in read_jsonl(f)]
     latency: dict[int, dict[str, float]] = {}

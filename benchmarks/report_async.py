@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import _f, machine_info  # noqa: E402
+from benchmarks.common import cell, machine_info  # noqa: E402
 from benchmarks.report_rows import RAW, RESULTS, build_rows, read_jsonl  # noqa: E402
 
 __all__ = ["async_markdown", "main", "sync_step_times"]
@@ -62,7 +62,7 @@ def async_markdown(rows: list[dict[str, Any]], device: dict[str, Any], sync: dic
             gap = r["step_time_s"] / sim - 1 if sim else None
             base = sync.get((r["system"], r["schedule"], r["p"], r["m"], r["t_pass_s"]))
             out.append(f"| {r['system']} | {name} | {r['step_time_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.3f} "
-                       f"| {_f(sim, '.3f')} | {_f(gap, '+.1%')} | {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')} | {_f(base, '.3f')} |")
+                       f"| {cell(sim, '.3f', '')} | {cell(gap, '+.1%', '')} | {cell(r.get('speedup_vs_deepspeed_1f1b'), '.3f', '')} | {cell(base, '.3f', '')} |")
         out.append("")
     return "\n".join(out)
 
@@ -79,7 +79,7 @@ def main() -> int:
     rows = build_rows([x for x in lines if x["kind"] == "case"], latency)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "emulated_async.json").write_text(json.dumps(rows, indent=1) + "\n")
-    machine = machine_info()
+    machine = machine_info(RAW)
     recorded = (RAW / "async_commit.txt").read_text().split() if (RAW / "async_commit.txt").exists() else []
     if recorded:  # run.sh's record for this phase, not a sync run's from another time
         machine["commit"] = recorded[0] + (" (ds_vshape/ had uncommitted changes)" if "dirty" in recorded[1:] else "")

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import git_commit, machine_brief  # noqa: E402
 from benchmarks.report_auto_plots import plot_steps, plot_timelines, profile_title  # noqa: E402
 from benchmarks.report_memory import memory_findings, memory_rows, memory_table  # noqa: E402
 from ds_vshape.schedules import Costs, simulate  # noqa: E402
@@ -241,35 +240,6 @@ def auto_findings(rows: list[dict[str, Any]], summary: list[dict[str, Any]], p: 
 
 
 # ---- the files -----------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-        info["cpu"] = model
-    except (OSError, StopIteration):
-        pass
-    import os
-
-    info["cores"] = os.cpu_count()
-    try:
-        import deepspeed
-        import torch
-
-        info["torch"], info["deepspeed"] = torch.__version__, deepspeed.__version__
-    except ImportError:
-        pass
-    return info
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return head + (" (ds_vshape/ had uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--auto", type=Path, nargs="*", default=[],
@@ -282,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wall", default=None, help="total run time to quote")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"command": args.command, "commit": args.commit or commit(), "machine": machine(),
+    meta = {"command": args.command, "commit": args.commit or git_commit(), "machine": machine_brief(),
             "device": "emulated (benchmarks/emulated.py, sync: the host sleeps through each pass), gloo, CPU", "load": args.load,
             "wall": args.wall}
     result: dict[str, Any] = {"meta": meta}

@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ds_vshape.schedules.ir import Action, Kind, Schedule  # noqa: E402
-from ds_vshape.schedules.render import _draw_boxes, _style_axes  # noqa: E402
+from ds_vshape.schedules.render import draw_boxes, style_axes  # noqa: E402
 from ds_vshape.schedules.simulate import SimResult  # noqa: E402
 
 PROFILE_TEXT = {
@@ -84,8 +84,8 @@ def plot_timelines(records: list[dict[str, Any]], out_dir: Path, setup: dict[str
                                                 (sim, f"simulated with the costs auto measured: makespan {sim.makespan:.0f} ms; "
                                                  f"predicted step {auto['predicted_s'] * 1e3:.0f} ms with the measured overhead"))):
                 ax = axes[2 * k + j]
-                _draw_boxes(ax, result, schedule)
-                for h in _style_axes(ax, result, schedule):
+                draw_boxes(ax, result, schedule)
+                for h in style_axes(ax, result, schedule):
                     handles_all[h.get_label()] = h
                 ax.set_xlim(0, span)
                 ax.set_xlabel("ms")

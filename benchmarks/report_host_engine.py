@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 from recipes.cores import RankCpu, cpu_share, describe  # noqa: E402
 
-__all__ = ["PASSES", "TRANSFERS", "commit", "load", "render", "write_report"]
+__all__ = ["PASSES", "TRANSFERS", "load", "render", "write_report"]
 
 BASE = "deepspeed-1f1b"
 PASSES = ("ForwardPass", "BackwardPass", "FusedBackward", "BackwardInput", "BackwardWeight")
@@ -169,16 +168,6 @@ def _header(setting: dict[str, Any], end: dict[str, Any], steps: dict[str, Any])
         f"Schedules: {', '.join(steps)} (seq1f1b with 2 sequence chunks). One engine each, built first; per round 2 untimed "
         "and then timed steps each, in turns; the activation meter off.", "",
     ]
-
-
-def commit() -> str:
-    """The code measured: HEAD, and whether ds_vshape had uncommitted changes (recorded when the run starts)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_vshape"], capture_output=True, text=True).stdout.strip()
-        return head + (" (with uncommitted changes to ds_vshape)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def write_report(raw: Path, md: Path) -> None:

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import cell, machine_info  # noqa: E402
 from benchmarks.report_rows import COMPUTE, RAW, RESULTS, W_MEMORY, WAITS, calibrated_makespan, pass_medians_ms, read_jsonl, schedule_of  # noqa: E402
 from ds_vshape.schedules import Costs, simulate  # noqa: E402
 
@@ -126,10 +127,6 @@ def _relative(rows: list[dict[str, Any]]) -> None:
         r["passes_vs_deepspeed_1f1b"] = max(x["passes_s"] for x in r["ranks"]) / max(x["passes_s"] for x in base["ranks"])
 
 
-def _f(v: Any, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def _targets(rows: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, each with its measured value and whether it holds."""
     out = []
@@ -176,10 +173,10 @@ def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         gain = base["step_time_s"] / at if base and at else None
         peaks = ", ".join(f"{b / 2**20:.1f}" for b in r["peak_activation_bytes"])
         out.append(f"| {r['system']} | {r['schedule']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} "
-                   f"| {_f(r.get('speedup_vs_deepspeed_1f1b'), '.3f')}x | {_f(r.get('sim_step_s'), '.3f')} "
-                   f"| {_f(r['step_time_s'] / r['sim_step_s'] if r.get('sim_step_s') else None, '.3f')} | {_f(at, '.3f')} "
-                   f"| {_f(gain, '.3f')}x | {_f(r.get('passes_vs_deepspeed_1f1b'), '.3f')} | {peaks} "
-                   f"| {_f(r.get('mem_vs_deepspeed_1f1b'), '.2f')} | {_f(r.get('sim_mem_vs_1f1b'), '.2f')} |")
+                   f"| {cell(r.get('speedup_vs_deepspeed_1f1b'), '.3f')}x | {cell(r.get('sim_step_s'), '.3f')} "
+                   f"| {cell(r['step_time_s'] / r['sim_step_s'] if r.get('sim_step_s') else None, '.3f')} | {cell(at, '.3f')} "
+                   f"| {cell(gain, '.3f')}x | {cell(r.get('passes_vs_deepspeed_1f1b'), '.3f')} | {peaks} "
+                   f"| {cell(r.get('mem_vs_deepspeed_1f1b'), '.2f')} | {cell(r.get('sim_mem_vs_1f1b'), '.2f')} |")
     out += ["", "## Where each rank's step went (seconds, medians of the timed steps)", "",
             "Passes: time inside forward (F), backward-input (B), weight (W) and fused backward (BW) instructions. Other: "
             "the remaining instructions (sends, post-receive work, reduce, optimizer step). Waits: receive instructions. "
@@ -198,8 +195,6 @@ def real_markdown(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.report import machine_info
-
     ap = argparse.ArgumentParser(description="real-compute report (benchmarks/run_real.sh writes the raw lines)")
     ap.add_argument("--raw", type=Path, default=RAW / "real_p2.jsonl")
     ap.add_argument("--name", default="real", help="writes results/NAME.md and results/NAME.json")
@@ -209,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no measurements in {args.raw}: run benchmarks/run_real.sh first", file=sys.stderr)
         return 1
     rows = real_rows(lines)
-    machine = machine_info()
+    machine = machine_info(RAW)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     text = real_markdown(rows, machine)
     variants = next((x["variants"] for x in lines if x["kind"] == "variants"), None)

@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import _commit, machine_info  # noqa: E402
-from benchmarks.report_rows import as_lowered, read_jsonl, schedule_of  # noqa: E402
+from benchmarks.common import cell, machine_info, recorded_commit  # noqa: E402
+from benchmarks.report_rows import RAW, as_lowered, read_jsonl, schedule_of  # noqa: E402
 from ds_vshape.schedules import Costs, Schedule, simulate  # noqa: E402
 
 __all__ = ["steady_rows", "main"]
@@ -92,10 +92,6 @@ def steady_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _f(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], setup: dict[str, Any]) -> str:
     lines = [
         "# Multi-step steady state on the asynchronous emulated device",
@@ -113,7 +109,7 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], setup: dict[st
         "step's first pass (`speculate_after` null). `sim`: the simulator's steady period on the order the system runs "
         "(see report_steady.py).",
         "",
-        f"Machine: {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores); commit {_commit()}.",
+        f"Machine: {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores); commit {recorded_commit(RAW)}.",
     ]
     for m in sorted({r["m"] for r in rows}, reverse=True):
         lines += ["", f"## m = {m}", "", "| case | period (s) | ideal (s) | eff. | sim (s) | gap to sim | vs DS 1F1B | vs torch ZBV |",
@@ -124,8 +120,8 @@ def markdown(rows: list[dict[str, Any]], machine: dict[str, Any], setup: dict[st
                 continue
             gap = (r["period_s"] / r["sim_period_s"] - 1) * 100 if r.get("sim_period_s") else None
             lines.append(f"| {r['label']} | {r['period_s']:.4f} | {r['ideal_s']:.3f} | {r['efficiency']:.3f} | "
-                         f"{_f(r.get('sim_period_s'), '.4f')} | {_f(gap, '+.1f')}% | {_f(r.get('vs_ds_1f1b'), '.3f')} | "
-                         f"{_f(r.get('vs_torch_zbv'), '.3f')} |")
+                         f"{cell(r.get('sim_period_s'), '.4f')} | {cell(gap, '+.1f')}% | {cell(r.get('vs_ds_1f1b'), '.3f')} | "
+                         f"{cell(r.get('vs_torch_zbv'), '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = next(r for r in records if r["kind"] == "setup")
     rows = steady_rows(records)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "steady.md").write_text(markdown(rows, machine_info(), setup))
+    (dest / "steady.md").write_text(markdown(rows, machine_info(RAW), setup))
     (dest / "steady.json").write_text(json.dumps(rows, indent=1))
     for case in (r for r in records if r["kind"] == "case"):
         if any("error" in g for g in case["ranks"]):

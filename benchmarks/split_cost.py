@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.split_cost_report import load_average, render  # noqa: E402
 from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
@@ -344,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.render.read_text())
         (args.render.with_suffix(".md")).write_text(render(result) + "\n")
         return 0
-    from benchmarks.report_auto import commit  # the commit measured, recorded before measuring
-
-    measured_at = commit()
+    measured_at = git_commit()  # the commit measured, recorded before measuring
     torch.set_num_threads(1)
     started, load_start = time.perf_counter(), load_average()
     bench = build(args)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import git_commit, machine_brief
+
 __all__ = ["cache_sizes", "load_average", "render"]
 
 CATEGORIES = ("GEMM", "attention", "elementwise", "accumulate", "other")
@@ -31,11 +33,9 @@ def cache_sizes() -> str:
 
 
 def _header(result: dict[str, Any]) -> list[str]:
-    from benchmarks.report_auto import commit, machine  # matplotlib comes with them: only when rendering
-
-    info, args = machine(), result["args"]
+    info, args = machine_brief(), result["args"]
     return ["# What split backward costs on real compute (`benchmarks/split_cost.py`)", "",
-            (f"Command: `OMP_NUM_THREADS=1 {result['command'].strip()}`; commit {result.get('commit') or commit()}; "
+            (f"Command: `OMP_NUM_THREADS=1 {result['command'].strip()}`; commit {result.get('commit') or git_commit()}; "
             f"torch {result.get('torch', torch.__version__)}."),
             (f"Machine: {info.get('cpu', 'unknown')}, {info.get('cores', '?')} cores (caches of cpu0: {cache_sizes()}); "
             f"one thread (`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')}`, `torch.set_num_threads(1)`); "

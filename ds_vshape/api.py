@@ -34,7 +34,7 @@ from .runtime.step_end.tensor_parallel import model_parallel_size
 from .runtime.program.seq_chunks import partition_dims
 from .runtime.step_end.post_validation import check_post_validation_config
 from .runtime.zero.zero import check_zero_config
-from .schedules import Schedule, get_info
+from .schedules import Schedule, ScheduleError, get_info
 
 __all__ = ["initialize"]
 
@@ -143,6 +143,8 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         )
     try:
         schedule = vs.make_schedule(p, micro_batches, check=False)
+    except ScheduleError as err:  # the schedule itself breaks a rule (a registered one): no batch hint
+        raise ConfigError(str(err)) from None
     except ValueError as err:
         raise ConfigError(f"{err} (micro-batches = gradient_accumulation_steps; raise it in the config)") from None
     try:  # the registry says which ZeRO stages a schedule runs with

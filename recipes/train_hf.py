@@ -18,7 +18,9 @@ ranks that hold the first stage (input_ids) or the last (labels). Labels are the
 ids themselves: the loss shifts them, as transformers does for ``labels=``.
 
 ``--steps`` is the total number of optimizer steps: ``--resume`` continues from the
-step the checkpoint was saved at, and the data iterator continues where it stopped.
+step the checkpoint was saved at, and the data iterator continues where it stopped
+(micro-batch i depends only on the seed and i). ``--save-every N`` also saves every N steps,
+so a run killed midway resumes from its last checkpoint with the losses it would have had.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn-implementation", default="sdpa", help="transformers attention kernel for preset/directory models")
     parser.add_argument("--metrics-out", type=Path, help="JSONL file, one object per step (rank 0 writes it)")
     parser.add_argument("--save", type=Path, help="save a DeepSpeed checkpoint here at the end")
+    parser.add_argument("--save-every", type=int, metavar="N",
+                        help="also save to --save after every N steps, so that a killed run resumes from the last one")
     parser.add_argument("--resume", type=Path, help="load a DeepSpeed checkpoint from here first")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out loss at the end")
     parser.add_argument("--pipeline-stages", type=int, metavar="P",
@@ -352,6 +356,8 @@ def run_steps(job: Job, args: argparse.Namespace, start: int) -> None:
         peaks = gather_peaks(job.engine) if metered else [None] * dist.get_world_size()
         record = StepRecord(step, loss, dt, tokens_per_step / dt, _lr(job.engine), peaks, metered=metered)
         _log_step(record, bar, metrics, job.summary)
+        if args.save is not None and args.save_every and step % args.save_every == 0 and step < args.steps:
+            job.engine.save_checkpoint(str(args.save), client_state={"step": step})  # the end saves the last step
     if bar is not None:
         bar.close()
     if metrics is not None:
@@ -424,7 +430,10 @@ def report(summary: RunSummary) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.save_every is not None and (args.save is None or args.save_every < 1):
+        parser.error(f"--save-every {args.save_every} needs --save DIR and N >= 1 (the checkpoints go to --save)")
     init_distributed()
     summary = train(args)
     if dist.get_rank() == 0:

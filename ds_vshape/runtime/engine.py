@@ -26,6 +26,7 @@ from ..schedules.ops import DATA_PARALLEL
 from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
+from .program.transfer_order import use_global_order
 from .transfers.comm import P2P
 from .transfers.device import waits_on_stream
 from .transfers.handlers import TransferHandlersMixin, stage_tensors
@@ -37,6 +38,7 @@ from .program.seq_chunks import SeqChunks
 from .split.fit import WFit
 from .split.setup import enable_for_stages
 from .split.split_backward import WeightGradStore
+from .step_end.failures import bounded_step
 from .step_end.step import OptimizerStepMixin
 from .zero.zero import whole_parameters
 from .zero.zero_engine import ZeroPipelineMixin
@@ -140,7 +142,8 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
     def _ir(self, schedule: Schedule, *, train: bool = True) -> ins.IRSchedule:
         """The lowered stream, less the data-parallel points this ZeRO stage does not act on."""
         acts_on = self._zero_reducer.OPS if self._zero_reducer is not None else frozenset()
-        return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on)
+        order = use_global_order(schedule, train=train, dynamic_shapes=self._p2p.dynamic_shape, synchronize_at=acts_on)
+        return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on, global_order=order)
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------
     def is_first_stage(self) -> bool:
@@ -165,11 +168,13 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
     # ---- step framing -----------------------------------------------------------------------
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:
         self._p2p.check_usable()  # before DeepSpeed starts its timers and reads data
-        return super().train_batch(*args, **kwargs)
+        with bounded_step(self, "train"):  # its collectives time out with its transfers; failures named
+            return super().train_batch(*args, **kwargs)
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
         self._p2p.check_usable()
-        return super().eval_batch(*args, **kwargs)
+        with bounded_step(self, "eval"):
+            return super().eval_batch(*args, **kwargs)
 
     def _reset_step_state(self) -> None:
         self._data: dict[int, Any] = {}

@@ -16,7 +16,9 @@ A fixed chain of small passes, each a pure function tested alone:
                          the tensors' shapes; the others send the payload alone, one message
                          per tensor, and the receiver posts it early with the shapes it knows.
 6. ``place_posts``       posts each receive (non-blocking) in the one transfer order both
-                         ranks of a pair share, NCCL's rule (see ``p2p_order``);
+                         ranks of a pair share, NCCL's rule (see ``p2p_order``); with
+                         ``one_queue=True`` (one hardware queue per rank) every rank issues
+                         its transfers in one global order instead (see ``one_queue``);
    ``group_crossing``    a post and the send right after it to the same peer go as one group.
 7. ``add_stage_reduces`` a ``reduce_stage_grads`` after each stage's last backward pass:
                          where ZeRO partitions gradients, that stage's reduce-scatter starts
@@ -32,11 +34,13 @@ Ops name pipeline ranks (``peer``), never process-group ranks; the runtime maps 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
 from .ir import Action, Kind, Schedule
 from .ops import BACKWARDS, COMPUTE, SENDS, Op, OpKind, format_ops
+from .one_queue import GlobalKey, place_posts_in_global_order, transfer_keys
 from .p2p_order import Pair, group_crossing, pair_orders, place_posts
 
 __all__ = [
@@ -219,18 +223,23 @@ def add_step_tail(ops: list[Op]) -> list[Op]:
     return ops + [Op(OpKind.REDUCE_TIED_GRADS), Op(OpKind.REDUCE_GRADS), Op(OpKind.OPTIMIZER_STEP)]
 
 
-def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int = 2) -> list[Op]:
-    """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation)."""
+def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int = 2, one_queue: bool = False) -> list[Op]:
+    """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation).
+    ``one_queue``: posts in the step's one global transfer order (safe with one hardware queue per rank)."""
     orders, progs, pairs = _plan(schedule, train)
     ops = add_communication(schedule, rank, progs[rank])
     ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
-    ops = add_param_gathers(group_crossing(place_posts(ops, rank, pairs, lookahead=lookahead)))
+    if one_queue:
+        ops = place_posts_in_global_order(ops, rank, _keys(schedule, train), lookahead=lookahead)
+    else:
+        ops = place_posts(ops, rank, pairs, lookahead=lookahead)
+    ops = add_param_gathers(group_crossing(ops))
     return add_step_tail(add_stage_reduces(ops)) if train else ops
 
 
-def programs(schedule: Schedule, *, train: bool = True, lookahead: int = 2) -> list[list[Op]]:
+def programs(schedule: Schedule, *, train: bool = True, lookahead: int = 2, one_queue: bool = False) -> list[list[Op]]:
     """Every rank's lowered ops (what ``check_transfers`` takes)."""
-    return [lower(schedule, r, train=train, lookahead=lookahead) for r in range(schedule.stages)]
+    return [lower(schedule, r, train=train, lookahead=lookahead, one_queue=one_queue) for r in range(schedule.stages)]
 
 
 @lru_cache(maxsize=32)
@@ -243,8 +252,19 @@ def _plan(schedule: Schedule, train: bool) -> tuple[tuple, tuple, dict[Pair, tup
     for rank in range(schedule.stages):
         remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
         progs.append(merge_backward(orders[rank], sends_grad=remote))
-    sends_of = lambda rank, action: [op for op in add_communication(schedule, rank, (action,)) if op.kind in SENDS]  # noqa: E731
-    return orders, tuple(progs), pair_orders(schedule, progs, sends_of)
+    return orders, tuple(progs), pair_orders(schedule, progs, _sends_of(schedule))
+
+
+@lru_cache(maxsize=32)
+def _keys(schedule: Schedule, train: bool) -> dict[tuple, GlobalKey]:
+    """The step's one global transfer order (``one_queue.transfer_keys``), computed once per schedule."""
+    _orders, progs, _pairs = _plan(schedule, train)
+    return transfer_keys(schedule, progs, _sends_of(schedule))
+
+
+def _sends_of(schedule: Schedule) -> Callable[[int, Action], list[Op]]:
+    """The lowering's one rule for what an action sends (shared by both transfer orders)."""
+    return lambda rank, action: [op for op in add_communication(schedule, rank, (action,)) if op.kind in SENDS]  # noqa: E731
 
 
 def _wavefront(actions: tuple[Action, ...]) -> tuple[Action, ...]:

@@ -22,6 +22,19 @@ Two checks over every rank's ops (``programs``):
 transfer on one group, as DeepSpeed's world group would be) shows the orders that pair
 groups make safe.
 
+``one_queue=True`` is the model for one hardware queue per rank (``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+and NCCL's own caveat that two communicators need not progress concurrently): every
+transfer of a rank, whatever its communicator, goes on one ordered queue, and every
+stream-ordered wait is a host wait for what is issued after it. The runtime's header read
+then comes before the rank's next transfer with any peer, not just that peer.
+``dynamic_shapes=True``: every receive brings a header (``dynamic_shape`` modules, unequal
+sequence chunks), so each one blocks as a header does.
+
+``synchronize_at`` names op kinds before which the rank makes a device-wide synchronize (ZeRO-3's
+coalesced all-gather at ``gather_params``, ZeRO-2's ``allreduce_and_copy`` at
+``reduce_stage_grads``, auto's warm-up timing around every pass): such an op is issued only once
+every transfer the rank issued before it completed, posted receives and unmatched sends included.
+
 ``first_contact=True`` adds NCCL's connection rule (``first_contact`` module): a rank's first
 operation with a peer on a stream blocks its host until that peer's host reaches its own
 first operation with it there. ``connected`` names the pairs of ranks already connected on
@@ -37,7 +50,7 @@ from dataclasses import dataclass, field
 from .ops import POSTS, SENDS, WAITS, Op, OpKind
 from .p2p_order import TransferOrderError
 
-__all__ = ["Communicator", "check_transfers", "pair_communicator", "world_communicator"]
+__all__ = ["Communicator", "check_transfers", "pair_communicator", "rank_queue", "world_communicator"]
 
 Communicator = Callable[[int, int], Hashable]  # (rank, peer) -> the stream's key
 
@@ -52,14 +65,26 @@ def world_communicator(rank: int, peer: int) -> Hashable:
     return "world"
 
 
+def rank_queue(rank: int, peer: int) -> Hashable:
+    """One hardware queue per rank: every transfer of a rank in one order, whatever its communicator."""
+    return "rank queue"
+
+
 _TAIL = frozenset({OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.OPTIMIZER_STEP})
 
 
 def check_transfers(programs: Sequence[Sequence[Op]], *, communicator: Communicator = pair_communicator,
-                    first_contact: bool = False, connected: Iterable[tuple[int, int]] = ()) -> None:
-    """Raise ``TransferOrderError`` naming the ranks and operations when a rule is broken."""
+                    first_contact: bool = False, connected: Iterable[tuple[int, int]] = (), one_queue: bool = False,
+                    dynamic_shapes: bool = False, synchronize_at: Iterable[OpKind] = ()) -> None:
+    """Raise ``TransferOrderError`` naming the ranks and operations when a rule is broken.
+
+    ``one_queue``: one ordered queue per rank (overrides ``communicator``); ``dynamic_shapes``:
+    every receive brings a header; ``synchronize_at``: op kinds preceded by a device-wide synchronize."""
     _check_mirror(programs)
-    run = _Run(programs, communicator, first_contact=first_contact)
+    if one_queue:
+        communicator = rank_queue
+    run = _Run(programs, communicator, first_contact=first_contact, one_queue=one_queue, dynamic_shapes=dynamic_shapes,
+               synchronize_at=frozenset(synchronize_at))
     for a, b in connected:
         run.connected |= {(a, b, communicator(a, b)), (b, a, communicator(b, a))}
     run.run()
@@ -106,6 +131,9 @@ class _Run:
     first_contact: bool = False
     connected: set[tuple[int, int, Hashable]] = field(default_factory=set)  # (rank, peer, stream) past first contact
     contacting: dict[int, tuple[int, Hashable]] = field(default_factory=dict)  # rank -> (peer, stream) its host waits at
+    one_queue: bool = False  # a pending header blocks the rank's next transfer with any peer
+    dynamic_shapes: bool = False  # every receive brings a header
+    synchronize_at: frozenset[OpKind] = frozenset()  # op kinds preceded by a device-wide synchronize
 
     def run(self) -> None:
         self.host = [0] * len(self.programs)
@@ -131,10 +159,22 @@ class _Run:
         if op.kind in WAITS:
             return (r, op.transfer) in self.received
         if op.kind in SENDS | POSTS:
-            return (r, op.peer) not in self.shapes_pending and self._contact(r, op.peer)
+            return not self._header_pending(r, op.peer) and self._contact(r, op.peer)
+        if op.kind in self.synchronize_at and not self._idle(r):
+            return False
         if op.kind in _TAIL:
             return all(self._at_tail(q) for q in range(len(self.programs)))
         return True
+
+    def _idle(self, r: int) -> bool:
+        """Whether every transfer ``r`` issued has completed (what a device-wide synchronize waits for)."""
+        return r not in self.held and not any(q for (rank, _), q in self.queues.items() if rank == r)
+
+    def _header_pending(self, r: int, peer: int) -> bool:
+        """Whether ``r``'s host must first read a header: from ``peer`` (one stream per pair) or from anyone (one queue)."""
+        if self.one_queue:
+            return any(rank == r for rank, _ in self.shapes_pending)
+        return (r, peer) in self.shapes_pending
 
     def _contact(self, r: int, peer: int) -> bool:
         """Under the first-contact rule: whether ``r`` may issue to ``peer`` now (both hosts met)."""
@@ -158,9 +198,10 @@ class _Run:
                 raise TransferOrderError(f"pipeline rank {r}: a receive marked to go with the next send is followed by {op}")
             return
         entry = _Entry("send" if op.kind in SENDS else "recv", op.transfer, op.peer)
-        if op.kind in POSTS and op.header:
+        header = op.kind in POSTS and (op.header or self.dynamic_shapes)
+        if header:
             self.shapes_pending[(r, op.peer)] = op.transfer
-        if op.with_next:
+        if op.with_next and not header:  # the runtime issues a header's receive alone
             self.held[r] = (op.peer, entry)
             return
         group = [entry]

@@ -1,4 +1,11 @@
-"""Generators registered by name; ``generate`` is the single way in for the CLI and the runtime."""
+"""Generators registered by name; ``generate`` is the single way in for the CLI and the runtime.
+
+The built-in generators (``schedules/generators/``) are registered when this module is
+imported, from ``generators.builtin_generators()``: the generators never import the registry,
+so the import runs one way. A schedule defined outside the package is added with
+``@register``, and must be registered before a config naming it is parsed (README, "Adding a
+schedule").
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .costs import Costs
+from .generators import Builtin, builtin_generators
 from .ir import Schedule
 from .validate import validate
 
@@ -36,6 +44,9 @@ class GeneratorInfo:
     ``placement``: the stage-to-rank layout the schedule runs on (``linear``, ``v`` or
     ``looped``); ``"schedule": "auto"`` chooses among the schedules of one placement, since the
     layers are already placed when it chooses.
+    ``builtin``: one of the package's own generators, which the unit tier checks over many p and
+    m; ``generate`` validates what every other generator returns even under ``check=False``
+    (the engine's ``initialize`` generates that way). Set by the registry, never by ``register``.
     """
 
     name: str
@@ -51,6 +62,7 @@ class GeneratorInfo:
     placement: str = "linear"
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     min_micro_batches: MinMicroBatches = lambda p, v, k: 1
+    builtin: bool = False
 
     def chunks(self, requested: int | None) -> int:
         if self.fixed_chunks is not None:
@@ -72,26 +84,37 @@ class ScheduleNameError(KeyError, ValueError):
 
 
 def register(name: str, **info: object) -> Callable[[Generator], Generator]:
-    """Decorator: ``@register("v-half", fixed_chunks=2, summary=...)``."""
+    """Decorator: ``@register("my-1f1b", summary=...)`` adds a schedule defined outside the package.
+
+    Takes the fields of ``GeneratorInfo`` but ``builtin``; registering a name again replaces it.
+    """
+    if "builtin" in info:
+        raise TypeError("register() takes no 'builtin': only the package's own generators are built in")
 
     def wrap(fn: Generator) -> Generator:
-        entry = GeneratorInfo(name=name, fn=fn, **info)  # type: ignore[arg-type]
-        _REGISTRY[name] = entry
-        for alias in entry.aliases:
-            _ALIASES[alias] = name
+        _add(GeneratorInfo(name=name, fn=fn, **info))  # type: ignore[arg-type]
         return fn
 
     return wrap
 
 
+def _add(entry: GeneratorInfo) -> None:
+    _REGISTRY[entry.name] = entry
+    for alias in entry.aliases:
+        _ALIASES[alias] = entry.name
+
+
+def _register_builtin(generators: tuple[Builtin, ...]) -> None:
+    for name, fn, info in generators:
+        _add(GeneratorInfo(name=name, fn=fn, builtin=True, **info))
+
+
 def schedule_names() -> list[str]:
     """Registered names (aliases excluded), in registration order."""
-    _load_builtin()
     return list(_REGISTRY)
 
 
 def get_info(name: str) -> GeneratorInfo:
-    _load_builtin()
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _REGISTRY:
         valid = ", ".join(sorted(list(_REGISTRY) + list(_ALIASES)))
@@ -110,7 +133,12 @@ def generate(
     costs: Costs | None = None,
     check: bool = True,
 ) -> Schedule:
-    """Make (and by default validate) the named schedule for p ranks and m micro-batches."""
+    """Make (and by default validate) the named schedule for p ranks and m micro-batches.
+
+    ``check=False`` skips validation for built-in schedules only: a schedule registered from
+    outside is always validated, so a wrong one is refused here with the rank, step and rule
+    (``ScheduleError``) rather than deadlocking the engine.
+    """
     info = get_info(name)
     v = info.chunks(chunks)
     k = _seq_chunks(info, seq_chunks)
@@ -122,7 +150,7 @@ def generate(
     if micro_batches < low:
         raise ValueError(f"schedule {info.name!r} with p={stages}, v={v}, k={k} needs at least {low} micro-batches, got {micro_batches}")
     schedule = info.fn(stages, micro_batches, v=v, k=k, memory_limit=memory_limit, costs=costs or Costs())
-    return validate(schedule) if check else schedule
+    return validate(schedule) if check or not info.builtin else schedule
 
 
 def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
@@ -139,7 +167,6 @@ def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
 
 def split_backward_names() -> list[str]:
     """The registered schedules that split backward (B now, W later)."""
-    _load_builtin()
     return [n for n, i in _REGISTRY.items() if i.split_backward]
 
 
@@ -147,6 +174,4 @@ def _with(flag: str) -> str:
     return ", ".join(n for n, i in _REGISTRY.items() if getattr(i, flag))
 
 
-def _load_builtin() -> None:
-    # Importing the generator modules registers them; done lazily to keep import order simple.
-    from . import generators  # noqa: F401
+_register_builtin(builtin_generators())

@@ -21,6 +21,8 @@ __all__ = [
     "ascii_timeline",
     "chrome_trace",
     "plot_timeline",
+    "draw_boxes",
+    "style_axes",
     "compare_rows",
     "format_table",
     "rank_rows",
@@ -185,8 +187,8 @@ def plot_timeline(result: SimResult, schedule: Schedule, path: str | Path, *, dp
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    _draw_boxes(ax, result, schedule)
-    handles = _style_axes(ax, result, schedule)
+    draw_boxes(ax, result, schedule)
+    handles = style_axes(ax, result, schedule)
     # The legend sits in its own strip under the axis; tight_layout keeps the rest clear of it.
     legend_frac = 0.4 / height_in
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
@@ -203,7 +205,12 @@ def _figure_size(result: SimResult, schedule: Schedule) -> tuple[float, float]:
     return min(max(10.0, 0.24 * slots + 1.5), 36.0), 1.6 + 0.55 * schedule.stages
 
 
-def _draw_boxes(ax: Any, result: SimResult, schedule: Schedule) -> None:
+def draw_boxes(ax: Any, result: SimResult, schedule: Schedule) -> None:
+    """One box per pass on a matplotlib axis, rank per row, numbered where the number fits.
+
+    Public with ``style_axes`` so that other figures (``benchmarks/report_auto_plots.py``) draw
+    timelines the way ``plot_timeline`` does, on axes of their own.
+    """
     fig = ax.get_figure()
     # Points per time unit along x, from the axis' share of the figure width (~85%).
     pt_per_unit = fig.get_figwidth() * 72 * 0.85 / (result.makespan or 1.0)
@@ -230,7 +237,7 @@ def _fontsize(text: str, box_pt: float, row_pt: float) -> float:
     return 0.0
 
 
-def _style_axes(ax: Any, result: SimResult, schedule: Schedule) -> list[Any]:
+def style_axes(ax: Any, result: SimResult, schedule: Schedule) -> list[Any]:
     """Ticks, limits, title and grid; returns the legend handles (kinds present, chunk shade)."""
     from matplotlib.patches import Patch
 

@@ -28,7 +28,8 @@ class ScheduleError(ValueError):
 
     def __init__(self, schedule: Schedule, rule: str, message: str, *, rank: int | None = None, pos: int | None = None):
         self.rule, self.rank, self.pos = rule, rank, pos
-        where = f"rank {rank}, step {pos}: " if rank is not None else ""
+        # A rule about a whole unit (backward-form) names the rank but no single step.
+        where = "" if rank is None else f"rank {rank}: " if pos is None else f"rank {rank}, step {pos}: "
         mark = (rank, pos) if rank is not None and pos is not None else None
         super().__init__(f"{schedule.name}: {where}[{rule}] {message}\n{schedule.grid(mark=mark)}")
 

@@ -223,7 +223,10 @@ def _run_killed(case: dict[str, Any]) -> dict[str, Any]:
     it = iter(_data(case, 2, m))
     engine.train_batch(it)
     engine.save_checkpoint(root, tag="t1")
-    engine.train_batch(it)
+    torch.save(_state(engine), os.path.join(root, f"state_t1_rank{rank}.pt"))  # what a resume from t1 must restore
+    loss = engine.train_batch(it).item()
+    with open(os.path.join(root, f"loss_step2_rank{rank}"), "w") as fh:
+        fh.write(repr(loss))  # the uninterrupted step 2
     if rank == case["killed_rank"]:
         write = checkpoint.save_torch
 
@@ -239,7 +242,37 @@ def _run_killed(case: dict[str, Any]) -> dict[str, Any]:
     return {"survived": True}  # not reached: the killed rank dies, the launcher stops the others
 
 
+def _state(engine: Any) -> dict[str, Any]:
+    """This rank's parameters and optimizer state (fp32), by parameter name, and the step."""
+    params = dict(engine.module.named_parameters())
+    moments = {f"{n}/{k}": v for n, p in params.items() for k, v in engine.optimizer.state[p].items()}
+    return {"params": {n: p.detach().clone() for n, p in params.items()}, "optimizer": moments,
+            "global_steps": engine.global_steps, "lr": engine.get_lr()}
+
+
+def _run_reload(case: dict[str, Any]) -> dict[str, Any]:
+    """A new launch after the kill: load ``latest`` (the last finished tag), compare with the killed job's state there."""
+    m, root, rank = case["m"], case["dir"], dist.get_rank()
+    engine, _ = _engine(dict(case, schedule="1f1b"))
+    engine.load_checkpoint(root)
+    want = torch.load(os.path.join(root, f"state_t1_rank{rank}.pt"))
+    got = _state(engine)
+    differ = [k for part in ("params", "optimizer") for k in want[part]
+              if k not in got[part] or not torch.equal(torch.as_tensor(want[part][k]), torch.as_tensor(got[part][k]))]
+    with open(os.path.join(root, f"loss_step2_rank{rank}")) as fh:
+        uninterrupted = float(fh.read())
+    it = iter(_data(case, 2, m)[m:])  # step 2's micro-batches
+    return {"differ": differ, "compared": len(want["params"]) + len(want["optimizer"]),
+            "global_steps": [want["global_steps"], got["global_steps"]], "lr": [want["lr"], got["lr"]],
+            "loss_step2": [uninterrupted, engine.train_batch(it).item()]}
+
+
 def run_checkpoint_case(case: dict[str, Any]) -> dict[str, Any]:
     kind = case["ckpt_case"]
-    cases = {"chain": _run_chain, "stock": _run_stock, "zero1": _run_zero1, "damaged": _run_damaged, "killed": _run_killed}
+    if kind == "resume":
+        from .resume_checks import run_resume_case
+
+        return run_resume_case(case)
+    cases = {"chain": _run_chain, "stock": _run_stock, "zero1": _run_zero1, "damaged": _run_damaged, "killed": _run_killed,
+             "reload": _run_reload}
     return cases[kind](case)

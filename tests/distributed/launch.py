@@ -20,6 +20,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every rule of the emulation at once: first contact, synchronize, one queue per rank.
+ALL_RULES = {"first_contact": True, "synchronize": True, "one_queue": True}
 MODE_ENV = "DS_VSHAPE_TEST_NCCL"  # the emulation mode of launches that do not name one: eager (default), lazy or off
 
 
@@ -32,7 +34,8 @@ def default_mode() -> str | None:
 
 
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
-           nccl: bool | str | None = None, backend: str = "gloo", first_contact: bool | None = None) -> list[dict[str, Any]]:
+           nccl: bool | str | None = None, backend: str = "gloo", first_contact: bool | None = None,
+           synchronize: bool | None = None, one_queue: bool | None = None) -> list[dict[str, Any]]:
     """Run every case on ``nproc`` ranks; returns one dict (case name -> result) per rank.
 
     ``nccl="eager"`` or ``"lazy"`` runs the ranks under tests/distributed/nccl_emulation: gloo
@@ -41,7 +44,12 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     is the real thing (tests/gpu): one CUDA device per rank, DeepSpeed's accelerator left to
     detect CUDA. ``first_contact=True`` adds the emulation's first-contact rule (a rank's first
     p2p call with a peer blocks until the peer's first call with it); None leaves the env's
-    ``DS_VSHAPE_NCCL_FIRST_CONTACT`` as it is (off when unset).
+    ``DS_VSHAPE_NCCL_FIRST_CONTACT`` as it is (off when unset). ``synchronize=True`` adds the
+    synchronize rule (``get_accelerator().synchronize()`` waits for every op the rank queued),
+    ``one_queue=True`` the one-queue rule (every communicator of a rank feeds one ordered queue)
+    and sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as a Megatron-DeepSpeed job does, so the runtime
+    sees what it would see there; None leaves ``DS_VSHAPE_NCCL_SYNCHRONIZE`` /
+    ``DS_VSHAPE_NCCL_ONE_QUEUE`` as they are (off when unset).
     """
     if nccl is None:  # users run NCCL: every engine test obeys its rules unless it says otherwise
         nccl = default_mode() if backend == "gloo" else False
@@ -57,8 +65,12 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
     if mode:
         env["DS_VSHAPE_NCCL_EMULATION"] = mode
-    if first_contact is not None:
-        env["DS_VSHAPE_NCCL_FIRST_CONTACT"] = "1" if first_contact else "0"
+    for var, value in (("DS_VSHAPE_NCCL_FIRST_CONTACT", first_contact), ("DS_VSHAPE_NCCL_SYNCHRONIZE", synchronize),
+                       ("DS_VSHAPE_NCCL_ONE_QUEUE", one_queue)):
+        if value is not None:
+            env[var] = "1" if value else "0"
+    if env.get("DS_VSHAPE_NCCL_ONE_QUEUE") == "1" and mode:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # one hardware queue: what the runtime adapts to
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]

@@ -5,7 +5,8 @@ on a ``deepspeed.pipe.PipelineModule``, no ds_vshape) with the emulation off, ea
 with the first-contact rule where the case asks (``case["first_contact"]``).
 ``run_nccl_selfcheck`` shows that the emulation behaves as torch's ProcessGroupNCCL: what one
 queue per communicator holds back, what a batch lets through, where lazy init's pair
-communicators part ways, what a first contact blocks and how a warm-up in one order avoids it.
+communicators part ways, what a first contact blocks and how a warm-up in one order avoids it,
+what the one-queue rule holds back across communicators, and what a synchronize waits for.
 Each check returns what it saw; the pytest side asserts. Every check
 uses fresh process groups, so a communicator one wedges (as NCCL would) stays out of the
 others' way; the wedging checks run last, and this case must be the launch's last.
@@ -46,13 +47,15 @@ FIRST_CALL_S = 1.0  # how long after rank 0's first call rank 1 makes its own
 def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
     """Stock DeepSpeed 1F1B under ``case["emulation"]`` ("off", "eager", "lazy") vs the reference.
 
-    ``case["first_contact"]`` turns the first-contact rule on or off (None: the env's); stock
-    DeepSpeed's transfers share the world group, so a case under the rule must come before any
-    other emulated case of its mode in the launch, or its pairs are connected already."""
+    ``case["first_contact"]``, ``case["synchronize"]``, ``case["one_queue"]`` turn those rules
+    on or off (None: the env's); stock DeepSpeed's transfers share the world group, so a case
+    under the first-contact rule must come before any other emulated case of its mode in the
+    launch, or its pairs are connected already."""
     if case["emulation"] == "off":
         nccl_emulation.uninstall()
     else:
-        nccl_emulation.install(mode=case["emulation"], first_contact=case.get("first_contact"))
+        nccl_emulation.install(mode=case["emulation"], first_contact=case.get("first_contact"),
+                               synchronize=case.get("synchronize"), one_queue=case.get("one_queue"))
     p, m, steps = case["p"], case["m"], case.get("steps", 2)
     model, ref, loss_fn = _build(case, p)
     engine, *_ = deepspeed.initialize(model=model, config=_config(dict(case, schedule=None), m))
@@ -60,7 +63,8 @@ def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
     it = iter(data)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     return {"installed": nccl_emulation.installed(), "mode": nccl_emulation.mode(), "losses": losses,
-            "first_contact_rule": nccl_emulation.first_contact(),
+            "first_contact_rule": nccl_emulation.first_contact(), "one_queue_rule": nccl_emulation.one_queue(),
+            "synchronize_rule": nccl_emulation.synchronize_rule(),
             "ref_losses": _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case["clip"]),
             "param_diff": _param_diff(engine, ref, case)}
 
@@ -225,13 +229,41 @@ def _cycle_of_first_receives(me: int, groups: Callable[[list[int]], Any], *, war
         return {"error": str(err)}
 
 
-def _under_first_contact(mode: str, timeout_s: float, check: Callable[[], Any]) -> Any:
-    """Run ``check`` with the first-contact rule on (every rank switches at the same point)."""
-    nccl_emulation.install(mode=mode, timeout_s=timeout_s, first_contact=True)
+def _synchronize_waits(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
+    """(i) Rank 0 posts a receive from rank 1, then calls DeepSpeed's accelerator synchronize();
+    rank 1 sends FIRST_CALL_S later. Under the synchronize rule the call returns only after the
+    receive completed (as on a GPU); without it, at once (the CPU accelerator's does nothing)."""
+    pair = groups([0, 1])
+    _sync()
+    if me == 0:
+        from deepspeed.accelerator import get_accelerator
+
+        work = _post("recv", torch.zeros(2), 1, pair, batched=True)
+        start = time.monotonic()
+        get_accelerator().synchronize()
+        took = time.monotonic() - start
+        return {"took": took, "done_at_return": work.is_completed(), "error": _completes(work, WAIT_S)}
+    if me == 1:
+        time.sleep(FIRST_CALL_S)
+        return {"error": _completes(_post("send", torch.ones(2), 0, pair, batched=True), WAIT_S)}
+    return None
+
+
+def _under(mode: str, timeout_s: float, check: Callable[[], Any], **rules: bool) -> Any:
+    """Run ``check`` with the given rules on (every rank switches at the same point), then all off."""
+    nccl_emulation.install(mode=mode, timeout_s=timeout_s, **rules)
     try:
         return check()
     finally:
-        nccl_emulation.install(mode=mode, timeout_s=timeout_s, first_contact=False)
+        nccl_emulation.install(mode=mode, timeout_s=timeout_s, **_NO_RULES)
+
+
+def _under_first_contact(mode: str, timeout_s: float, check: Callable[[], Any]) -> Any:
+    """Run ``check`` with the first-contact rule on."""
+    return _under(mode, timeout_s, check, first_contact=True)
+
+
+_NO_RULES = {"first_contact": False, "synchronize": False, "one_queue": False}
 
 
 _SYNC: Any = None
@@ -239,8 +271,9 @@ _SYNC: Any = None
 
 def _sync() -> None:
     """All four ranks meet (a barrier on a group nothing else uses, so never wedged; its own
-    timeout, as the emulation's is short in the wedging checks)."""
-    dist.barrier(group=_SYNC, async_op=True).wait(timeout=3 * WAIT_S)
+    timeout, as the emulation's is short in the wedging checks; torch's own barrier, so that it
+    never queues behind a check's entries under the one-queue rule)."""
+    nccl_emulation.original("barrier")(group=_SYNC, async_op=True).wait(timeout=3 * WAIT_S)
 
 
 def _run(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
@@ -258,7 +291,7 @@ def _run(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """The checks that leave no communicator wedged."""
-    nccl_emulation.install(mode=mode, timeout_s=WAIT_S, first_contact=False)  # these checks cross first calls on purpose
+    nccl_emulation.install(mode=mode, timeout_s=WAIT_S, **_NO_RULES)  # these checks cross first calls on purpose
     checks: dict[str, Callable[[], Any]] = {}
     if me < 2:
         checks.update(tags=lambda: _tags_ignored(me), batch=lambda: _batch_work(me))
@@ -276,13 +309,17 @@ def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[st
     checks["first-call"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _first_call_blocks(me, groups))
     checks["warmed-cycle"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _cycle_of_first_receives(
         me, groups, warm_up=True, wait_s=WAIT_S))
+    checks["one-queue-hold"] = functools.partial(_under, mode, WAIT_S, lambda: _hold(
+        me, groups, batched=True, same_group=False, held=True), one_queue=True)
+    checks["synchronize-waits"] = functools.partial(_under, mode, WAIT_S, lambda: _synchronize_waits(me, groups), synchronize=True)
+    checks["synchronize-off"] = functools.partial(_synchronize_waits, me, groups)
     return _run(checks)
 
 
 def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """The checks that wedge a communicator for good (timeouts, short)."""
     _sync()
-    nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S, first_contact=False)
+    nccl_emulation.install(mode=mode, timeout_s=DEADLOCK_S, **_NO_RULES)
     pairs = groups([0, 1]), groups([2, 3])
     checks: dict[str, Callable[[], Any]] = {
         "crossed": functools.partial(_crossed, me, me ^ 1, pairs[me // 2], send_first=me < 2, size=BIG if me < 2 else 4)}

@@ -6,7 +6,9 @@ Each launch is a separate torchrun (4, 2, 4 ranks) on one shared directory; each
 compares its losses, parameters and Adam moments with a plain model trained from the start
 (fp32, 1e-5). The 2-rank launch also runs the stock-DeepSpeed and refusal cases, and the
 damaged-checkpoint case: a save cut off, a missing rank's file, cut-off, changed and foreign
-files and a layout file of another version, each refused on every rank before anything loads.
+files and a layout file of another version, each refused on every rank before anything loads;
+and the exact-resume case (resume_checks.py): a job restarted from its step-2 tag under auto,
+post-validation, the w_memory fit and fp16 equals the uninterrupted job, files bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
         if p == 2:  # the other cases ride along with the 2-rank launch
             cases += [{"name": "stock", "ckpt_case": "stock", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "stock")},
                       {"name": "zero1", "ckpt_case": "zero1", "p": 2, "m": 4, "schedule": None, "dir": str(tmp / "zero1")},
-                      {"name": "damaged", "ckpt_case": "damaged", "p": 2, "m": 4, "dir": str(tmp / "damaged")}]
+                      {"name": "damaged", "ckpt_case": "damaged", "p": 2, "m": 4, "dir": str(tmp / "damaged")},
+                      {"name": "resume", "ckpt_case": "resume", "p": 2, "m": 4, "dir": str(tmp / "resume")}]
         per_rank = launch(cases, p, tmp / f"launch{phase}")
         out.update({name: [r[name] for r in per_rank] for name in per_rank[0]})
     return out
@@ -141,6 +144,22 @@ def test_after_the_refusals_nothing_changed_and_the_last_finished_tag_resumes(re
         assert res["untouched"] and res["resume_error"] is None and res["resumed_step"] == 2, f"rank {rank}: {res}"
 
 
+def test_a_restarted_job_continues_exactly_as_the_uninterrupted_one(results: dict) -> None:
+    """auto, post-validation speculating, the w_memory fit, fp16 loss scaling: resumed from step 2,
+    the same losses, the same step-4 files bit for bit, and the runtime state the save had."""
+    for rank, res in enumerate(results["resume"]):
+        assert "error" not in res, f"rank {rank}: {res.get('error')}\n{res.get('traceback', '')}"
+        uninterrupted, resumed = res["losses"]
+        assert resumed == uninterrupted, f"rank {rank}: steps 3-4 {resumed} after the resume, {uninterrupted} without"
+        assert res["compared"] > 100 and res["differ"] == [], f"rank {rank}: step-4 tags differ in {res['differ'][:8]}"
+        at_save, after_load = res["at_save"], res["after_load"]
+        assert at_save["auto"] == "v-zb" and at_save["streak"] >= 1 and at_save["fit"], f"rank {rank}: {at_save}"
+        for key in ("auto", "schedule", "streak", "scale", "rng", "python_rng"):
+            assert after_load[key] == at_save[key], f"rank {rank}: {key} {after_load[key]!r} loaded, {at_save[key]!r} saved"
+        assert res["end"][0] == res["end"][1], f"rank {rank}: at step 4 {res['end'][1]} resumed, {res['end'][0]} without"
+        assert res["skipped"] == [1, 1] and res["end"][0]["scale"] != at_save["scale"], f"rank {rank}: {res}"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -150,7 +169,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_path: Path) -> None:
-    """Rank 1 dies by SIGKILL in the save of t2, right after writing its optimizer file; the launcher stops rank 0."""
+    """Rank 1 dies by SIGKILL in the save of t2, right after writing its optimizer file; the launcher stops rank 0.
+    A new launch then resumes from ``latest``: exactly the state the job had at t1, and the same step 2."""
     root = tmp_path / "killed"
     case = {"name": "killed", "ckpt_case": "killed", "p": 2, "m": 4, "dir": str(root), "killed_rank": 1}
     with pytest.raises(RuntimeError, match="torchrun exited"):
@@ -168,3 +188,10 @@ def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_
         read_layout(str(root / "t2"))
     saved, found = tag_problems(str(root / "t1"), rank=0, world=1)  # every file of t1 as its save recorded it
     assert saved is not None and saved.files and found == [], found
+    # A new launch resumes from latest (t1): the killed job's state there exactly, and the same step 2.
+    reload = dict(case, name="reload", ckpt_case="reload")
+    for rank, res in enumerate(r["reload"] for r in launch([reload], 2, tmp_path / "reload", timeout=120)):
+        assert "error" not in res, f"rank {rank}: {res.get('error')}\n{res.get('traceback', '')}"
+        assert res["compared"] > 0 and res["differ"] == [], f"rank {rank}: differ from the state saved at t1: {res['differ']}"
+        assert res["global_steps"] == [1, 1] and res["lr"][0] == res["lr"][1], f"rank {rank}: {res}"
+        assert res["loss_step2"][0] == res["loss_step2"][1], f"rank {rank}: step 2 after the resume: {res['loss_step2']}"

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -76,7 +76,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
 
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4"), nccl="lazy"))
+    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("fp16p4"), nccl="lazy", **ALL_RULES))
 
 
 def _ok(name: str, ranks: list[dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
@@ -46,7 +46,7 @@ def _in_b_cases() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy"))
+    return by_case(launch(_cases(), 2, tmp_path_factory.mktemp("hf"), nccl="lazy", **ALL_RULES))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if "ckpt" not in c and "pipeline" not in c])

@@ -8,9 +8,11 @@ group, whose pairs connect once per process), then eager, then lazy; then the se
 which show the emulation does what torch's ProcessGroupNCCL does.
 The ds_vshape launches run under the first-contact rule (a rank's first call with a peer blocks
 until the peer's first call with it; the engine's warm-up at initialize makes those calls in one
-global order): every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined reference
+global order), and the lazy ones under every rule at once (first contact, synchronize, one queue
+per rank with CUDA_DEVICE_MAX_CONNECTIONS=1: interleaved and breadth-first then run the global
+transfer order): every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined reference
 under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init), with
-in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules (the eager
+in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules and every rule (the eager
 p=2 run is test_engine's, whose launches run under the eager emulation by default) and a step
 that fails (last: it wedges its communicator, as it would under NCCL), after which the engine
 must refuse.
@@ -40,8 +42,14 @@ SHAPES = {"p4": 4, "pp2xdp2": 2}
 CONTROL_CASES = [{"name": f"control-{emu}-{shape}", "nccl_control": True, "emulation": emu, "p": p, "m": 4, "clip": 0.0}
                  for emu in EMULATIONS for shape, p in SHAPES.items()]
 # Under the first-contact rule too; before the other emulated controls, so the world group's pairs are fresh.
+# Lazy runs it with every rule on at once (first contact, synchronize, one queue per rank).
+ALL_RULES = {"first_contact": True, "synchronize": True, "one_queue": True}
 FIRST_CONTACT_CONTROLS = [{"name": f"control-first-contact-{emu}-p4", "nccl_control": True, "emulation": emu, "p": 4, "m": 4,
-                           "clip": 0.0, "first_contact": True} for emu in ("eager", "lazy")]
+                           "clip": 0.0, **({"first_contact": True} if emu == "eager" else ALL_RULES)}
+                          for emu in ("eager", "lazy")]
+# Each of the other rules on its own (eager, PP=4): the synchronize rule, one queue per rank.
+RULE_CONTROLS = {rule: {"name": f"control-{rule}-eager-p4", "nccl_control": True, "emulation": "eager", "p": 4, "m": 4,
+                        "clip": 0.0, rule.replace("-", "_"): True} for rule in ("synchronize", "one-queue")}
 # Their first transfers form a cycle at p >= 3 (rank 0 first receives from rank p-1, ...): only the warm-up lets them run.
 LOOPED = ("interleaved", "breadth-first")
 
@@ -56,16 +64,24 @@ INFLIGHT_CASES = [
 FAILED_STEP = {"name": "failed-step", "schedule": "v-half", "p": 2, "m": 4, "fail_step": True, "pipeline": {"p2p_timeout_s": 3}}
 
 
+def _rules(mode: str) -> dict[str, bool]:
+    """Eager: the first-contact rule; lazy: every rule at once (first contact, synchronize, one
+    queue per rank, which sets CUDA_DEVICE_MAX_CONNECTIONS=1 as a Megatron-DeepSpeed job does)."""
+    return {"first_contact": True, "synchronize": mode == "lazy", "one_queue": mode == "lazy"}
+
+
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
-    return by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param, first_contact=True))
+    results = by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param,
+                             **_rules(request.param)))
+    return {**results, "_mode": request.param}
 
 
 @pytest.fixture(scope="module", params=["eager", "lazy"])
 def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
-    return by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param, first_contact=True))
+    return {**by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param, **_rules(request.param))), "_mode": request.param}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +89,7 @@ def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     tmp = tmp_path_factory.mktemp("nccl_p2")
     checkpoint = {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
                   "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}}
-    return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy", first_contact=True))
+    return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy", **_rules("lazy")))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
@@ -109,6 +125,23 @@ def test_looped_schedules_connect_every_pair_at_initialize_p3(nccl_p3: dict, nam
 @pytest.mark.parametrize("name", LOOPED)
 def test_looped_schedules_connect_every_pair_at_initialize_p4(nccl_p4: dict, name: str) -> None:
     _assert_connected_at_initialize(nccl_p4, 4, name)
+
+
+def _assert_order_adapted(results: dict, p: int) -> None:
+    """Under one queue per rank (lazy launches) looped schedules ran the global transfer order, the
+    rest their default one; under pair communicators every schedule its default one."""
+    for case in _parity_cases(p):
+        for rank, res in enumerate(results[case["name"]]):
+            expect = results["_mode"] == "lazy" and case["schedule"] in LOOPED
+            assert res["global_order"] is expect, (case["name"], rank, res["global_order"], results["_mode"])
+
+
+def test_looped_schedules_switch_to_the_global_order_only_under_one_queue_p3(nccl_p3: dict) -> None:
+    _assert_order_adapted(nccl_p3, 3)
+
+
+def test_looped_schedules_switch_to_the_global_order_only_under_one_queue_p4(nccl_p4: dict) -> None:
+    _assert_order_adapted(nccl_p4, 4)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in PP2XDP2_CASES])
@@ -148,8 +181,9 @@ def test_a_failed_step_leaves_an_engine_that_refuses_instead_of_hanging(nccl_p2:
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nccl_emulation")
-    cases = CONTROL_CASES[:2] + FIRST_CONTACT_CONTROLS + CONTROL_CASES[2:] + [{"name": "selfcheck", "nccl_selfcheck": True}]
-    return by_case(launch(cases, 4, tmp, nccl="eager", first_contact=False))
+    cases = (CONTROL_CASES[:2] + FIRST_CONTACT_CONTROLS + CONTROL_CASES[2:] + list(RULE_CONTROLS.values())
+             + [{"name": "selfcheck", "nccl_selfcheck": True}])
+    return by_case(launch(cases, 4, tmp, nccl="eager", first_contact=False, synchronize=False, one_queue=False))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -170,6 +204,18 @@ def test_stock_deepspeed_1f1b_trains_under_the_first_contact_rule(emulation: dic
     for rank, (res, plain) in enumerate(zip(emulation[name], emulation[plain_name])):
         assert res["first_contact_rule"] and res["mode"] == emu, (rank, res)
         assert res["first_contacts"] > 0, f"{name} rank {rank}: no first contact was made under the rule"
+        assert res["losses"] == plain["losses"], f"{name} rank {rank}: {res['losses']} vs plain gloo {plain['losses']}"
+        # Lazy: every rule at once (first contact, synchronize, one queue per rank).
+        assert (res["one_queue_rule"], res["synchronize_rule"]) == ((True, True) if emu == "lazy" else (False, False)), res
+
+
+@pytest.mark.parametrize("rule", list(RULE_CONTROLS))
+def test_stock_deepspeed_1f1b_trains_under_each_rule(emulation: dict, rule: str) -> None:
+    name, plain_name = RULE_CONTROLS[rule]["name"], "control-off-p4"
+    _assert_parity(name, emulation[name])
+    for rank, (res, plain) in enumerate(zip(emulation[name], emulation[plain_name])):
+        on = {"synchronize": res["synchronize_rule"], "one-queue": res["one_queue_rule"]}
+        assert on == {r: r == rule for r in RULE_CONTROLS} and res["mode"] == "eager", (rank, res)
         assert res["losses"] == plain["losses"], f"{name} rank {rank}: {res['losses']} vs plain gloo {plain['losses']}"
 
 
@@ -256,6 +302,27 @@ def test_a_first_call_with_a_peer_blocks_until_the_peers_first_call(emulation: d
     assert first >= FIRST_CALL_S / 2, f"the first call returned after {first:.3f} s, before rank 1 made its own"
     assert second < FIRST_CALL_S / 2, f"the second call, the pair connected, took {second:.3f} s"
     assert got["errors"] == [None, None], got
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_one_queue_a_receive_on_one_communicator_holds_back_a_send_on_another(emulation: dict, mode: str) -> None:
+    # The same exchange as hold-batched-two-groups, which is not held without the rule.
+    target = _check(emulation, 2, mode, "one-queue-hold")
+    assert target["before_release"] is False, target
+    assert _check(emulation, 2, mode, "hold-batched-two-groups")["before_release"] is True
+    for rank in (0, 2):
+        assert _check(emulation, rank, mode, "one-queue-hold")["error"] is None
+    assert target["received"] == [7.0, 7.0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_synchronize_waits_for_a_posted_receive_only_under_its_rule(emulation: dict, mode: str) -> None:
+    waited, free = _check(emulation, 0, mode, "synchronize-waits"), _check(emulation, 0, mode, "synchronize-off")
+    assert waited["took"] >= FIRST_CALL_S / 2 and waited["done_at_return"], waited
+    assert free["took"] < FIRST_CALL_S / 2 and not free["done_at_return"], free
+    assert waited["error"] is None and free["error"] is None
+    for name in ("synchronize-waits", "synchronize-off"):
+        assert _check(emulation, 1, mode, name)["error"] is None
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -83,12 +83,12 @@ def _cases_p4() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl="lazy"))
+    return by_case(launch(_cases_p2(), 2, tmp_path_factory.mktemp("pv2"), nccl="lazy", **ALL_RULES))
 
 
 @pytest.fixture(scope="module")
 def p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("pv4"), nccl=True))
+    return by_case(launch(_cases_p4(), 4, tmp_path_factory.mktemp("pv4"), nccl=True, **ALL_RULES))
 
 
 def _ok(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """recipes/train_hf.py end to end: 2 gloo ranks, V-Half, the default tiny Llama.
 
-One launch trains 3 steps and saves a checkpoint; a second resumes it for a 4th step.
+One launch trains 3 steps and saves checkpoints after steps 2 and 3; a second resumes from
+step 2's (as after a kill in step 3's save) to step 4, with step 3's loss again.
 Together about 30-40 s on 2 idle cores (most of it process start-up).
 """
 
@@ -44,7 +45,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     work = tmp_path_factory.mktemp("recipe")
-    out = _train(work, "--steps", "3", "--metrics-out", str(work / "m.jsonl"), "--save", str(work / "ckpt"))
+    out = _train(work, "--steps", "3", "--metrics-out", str(work / "m.jsonl"), "--save", str(work / "ckpt"), "--save-every", "2")
     return work, out
 
 
@@ -73,10 +74,14 @@ def test_three_steps_write_metrics_summary_and_checkpoint(first_run: tuple[Path,
 
 
 def test_resume_continues_step_count_and_metrics(first_run: tuple[Path, str]) -> None:
+    """As if killed in the save of step 3: ``latest`` names step 2's checkpoint (``--save-every 2``).
+    The restarted run reads on from step 3's micro-batches: the same step-3 loss, then step 4."""
     work, _ = first_run
+    (work / "ckpt" / "latest").write_text("global_step2")
     _train(work, "--steps", "4", "--metrics-out", str(work / "m.jsonl"), "--resume", str(work / "ckpt"), "--no-eval")
     rows = _rows(work / "m.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]  # the metrics file goes on: step 3 again, then 4
+    assert rows[3]["loss"] == rows[2]["loss"], f"step 3 after the resume: {rows[3]['loss']}, before: {rows[2]['loss']}"
     assert math.isfinite(rows[-1]["loss"])
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
@@ -81,7 +81,7 @@ NCCL_CASES = [c for c in _parity_cases() if c["name"] in ("llama-seq1f1b", "gpt2
 
 @pytest.fixture(scope="module")
 def seq_results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy"))
+    return by_case(launch(NCCL_CASES, 2, tmp_path_factory.mktemp("seq_nccl"), nccl="lazy", **ALL_RULES))
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in NCCL_CASES])

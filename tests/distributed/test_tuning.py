@@ -11,7 +11,7 @@ import pytest
 
 from ds_vshape.schedules.partition import LayerCost, cut_layers
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 from .test_engine import _assert_parity
 
 pytestmark = pytest.mark.distributed
@@ -63,7 +63,7 @@ def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
     """Profiling's collectives, auto's ping-pong hop and its switch of schedules under the NCCL
     emulation (eager init: one ordered queue per process group)."""
     cases = [c for c in PROFILE_CASES + AUTO_CASES if c["name"] in NCCL_CASES]
-    return by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl="lazy"))
+    return by_case(launch(cases, 2, tmp_path_factory.mktemp("tuning-nccl"), nccl="lazy", **ALL_RULES))
 
 
 @pytest.mark.parametrize("case", NCCL_CASES)

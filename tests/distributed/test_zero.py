@@ -1,5 +1,9 @@
 """ZeRO-2 and ZeRO-3 inside the pipeline, on 2 stages x 2 data-parallel replicas (4 ranks, one launch).
 
+The launch runs under the NCCL emulation's synchronize rule (DeepSpeed's device-wide
+synchronizes wait for every transfer the rank has outstanding, posted receives included); the
+second one, on a few cases, under every rule (first contact, synchronize, one queue per rank).
+
 Every schedule family runs with ZeRO-2 and ZeRO-3 (gradients reduce-scattered once per stage per
 step by the schedule's ``reduce_stage_grads``, after the stage's last backward pass, W included,
 never per micro-batch) against a non-pipelined reference trained on both replicas' micro-batches:
@@ -13,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .launch import launch
+from .launch import ALL_RULES, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -52,7 +56,7 @@ def _cases(tmp: Path | None = None) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("zero")
-    per_rank = launch(_cases(tmp), 4, tmp)
+    per_rank = launch(_cases(tmp), 4, tmp, synchronize=True)  # DeepSpeed's synchronizes wait for posted transfers
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
@@ -64,13 +68,26 @@ def results_nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
     """The same cases under the NCCL emulation (eager init: one ordered queue per process group): the
     data-parallel collectives sit between pipeline transfers as they will on GPUs."""
     tmp = tmp_path_factory.mktemp("zero-nccl")
-    per_rank = launch([c for c in _cases(tmp) if c["name"] in NCCL_CASES], 4, tmp, nccl="lazy")
+    per_rank = launch([c for c in _cases(tmp) if c["name"] in NCCL_CASES], 4, tmp, nccl="lazy", **ALL_RULES)
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
 @pytest.mark.parametrize("case", NCCL_CASES)
 def test_zero_matches_reference_under_nccl_rules(results_nccl: dict, case: str) -> None:
+    # Under every rule of the emulation: first contact, one queue per rank, and DeepSpeed's
+    # accelerator synchronize() waiting for every transfer the rank has outstanding.
     _assert_matches(results_nccl, case)
+
+
+@pytest.mark.parametrize("which", ["results", "results_nccl"])
+def test_zero3_gathers_reach_the_emulated_device_synchronize(which: str, request: pytest.FixtureRequest) -> None:
+    # The synchronize rule was exercised: DeepSpeed's ZeRO-3 gathers called it on every rank
+    # (the CPU accelerator would skip it), each time waiting for every entry the rank had
+    # outstanding (results: pair communicators, where it meets posted receives; results_nccl:
+    # with every rule), and the cases still trained exactly (the parity tests).
+    results = request.getfixturevalue(which)
+    for case in (c for c in NCCL_CASES if c.startswith("zero3")):
+        assert all(res["synchronizes"][0] > 0 for res in results[case]), (case, [r["synchronizes"] for r in results[case]])
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if c["name"].startswith(("zero2-", "zero3-"))])

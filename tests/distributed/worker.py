@@ -427,7 +427,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"losses": losses, "peak_activation_bytes": getattr(engine, "peak_activation_bytes", None),
                               "peak_inflight_bytes": getattr(engine, "peak_inflight_bytes", None), "bw_trace": trace,
                               "peak_host_activation_bytes": getattr(engine, "peak_host_activation_bytes", None),
-                              "offloaded_units": engine._offload.offloaded_units if hasattr(engine, "_offload") else None}
+                              "offloaded_units": engine._offload.offloaded_units if hasattr(engine, "_offload") else None,
+                              "global_order": getattr(getattr(engine, "_train_ir", None), "global_order", None)}
     result["device_max_allocated_bytes"] = _device_peak()
     result["ref_losses"] = _reference(ref, lambda model, x, y: loss_fn(model(x), y), data, m, steps, case.get("clip", 0.05))
     result["param_diff"] = _param_diff(engine, ref, case)
@@ -530,11 +531,12 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for case in cases:
-        contacts = _first_contacts_made()
+        contacts, synced = _first_contacts_made(), _synchronizes()
         try:
             results[case["name"]] = run_case(case)
             if isinstance(results[case["name"]], dict):  # what the case connected under the first-contact rule
                 results[case["name"]]["first_contacts"] = _first_contacts_made() - contacts
+                results[case["name"]]["synchronizes"] = [a - b for a, b in zip(_synchronizes(), synced)]
         except Exception as err:  # recorded per case so one failure does not hide the rest
             results[case["name"]] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
             if case.get("fatal_on_error", True) is False:
@@ -549,6 +551,13 @@ def _first_contacts_made() -> int:
     """First contacts this rank made under the emulation's first-contact rule so far (0 without it)."""
     emulation = sys.modules.get("tests.distributed.nccl_emulation")
     return emulation.first_contacts_made() if emulation is not None else 0
+
+
+def _synchronizes() -> tuple[int, int]:
+    """Accelerator synchronizes under the emulation's synchronize rule so far: (all, those that
+    found transfers or collectives outstanding and waited for them); (0, 0) without it."""
+    emulation = sys.modules.get("tests.distributed.nccl_emulation")
+    return (emulation.synchronizes(), emulation.synchronizes_waited()) if emulation is not None else (0, 0)
 
 
 def _tear_down() -> None:

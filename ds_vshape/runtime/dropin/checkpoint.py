@@ -10,6 +10,8 @@ global layer numbers); this module adds the same for the optimizer:
   placement, the stage cut, the layer count, which pipeline ranks held each unit, the ZeRO stage
   and optimizer, whether per-parameter state was written, and every file of the tag with its
   size and sha256 (``manifest``).
+* ``vs_state_rank_XXXXX.pt`` (every global rank; ``runtime_state``): the RNG, post-validation's
+  streak and auto's choice, restored by a load that resumes the saving job as it was.
 * ``vs_optim_pp_rank_XX.pt`` (data-parallel rank 0 of each pipeline rank, only for an optimizer
   that keeps plain per-parameter state: a torch optimizer under ZeRO-0 without an fp16/bf16
   wrapper): each parameter's state keyed by its module name (``"3.fc.weight"``: global layer 3;
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import runtime_state
 from .atomic import save_torch
 from .carry import unit_of
 from .commit import AtomicSaveMixin
@@ -180,6 +183,7 @@ def save(engine: Any, save_dir: str, tag: Any) -> None:
     # Under ZeRO-0 every data-parallel replica holds the same state: one copy per pipeline rank.
     if mappable(engine) and engine.grid.data_parallel_id == 0:
         save_torch(optimizer_payload(engine), optim_file(ckpt_dir, engine.stage_id, tp_rank=_tp_rank(engine)))
+    runtime_state.save(engine, ckpt_dir)  # RNG, post-validation's streak, auto's choice: one file per global rank
 
 
 def _tp_rank(engine: Any) -> int | None:
@@ -211,6 +215,8 @@ def load(engine: Any, load_fn: Any, load_dir: str, tag: Any, *, load_optimizer_s
             client.pop("optimizer", None)  # DeepSpeed's copy is in the saving placement's order
     elif plan == WEIGHTS and path is not None:
         _refresh_master_weights(engine)
+    if plan == STOCK and path is not None and not load_module_only:
+        runtime_state.restore(engine, ckpt_dir)  # the saving job, resumed as it was: its RNG, streak, auto's choice
     return path, client
 
 

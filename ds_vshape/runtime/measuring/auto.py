@@ -2,7 +2,7 @@
 
 The first ``warmup_steps`` calls of ``train_batch`` run the placement's safe schedule
 (``schedules.auto.SAFE``). They time every F, B and W pass per stage (the device is
-synchronised around each, so the figures are the passes' own), count the activation bytes
+synchronised around each, the current stream only, so the figures are the passes' own), count the activation bytes
 each F keeps, and note the largest activation message; the last of them runs plain and
 times the whole step (see ``_times_passes``). After it the pipeline
 ranks time a round trip of that message between neighbours, every rank's figures are
@@ -43,7 +43,14 @@ def _times_passes(step: int, warmup_steps: int) -> bool:
 
 
 def _now() -> float:
-    get_accelerator().synchronize()  # passes run asynchronously on a GPU: wait before reading the clock
+    """The clock, once the compute stream is idle (passes run asynchronously on a GPU).
+
+    Only the current stream: a device-wide synchronize would also wait for every receive the
+    rank has posted ahead, whose sender may need this rank's next pass (a deadlock under NCCL).
+    The current stream waits only for receives a pass already needed."""
+    stream = get_accelerator().current_stream()
+    if stream is not None:  # DeepSpeed's CPU accelerator has no streams
+        stream.synchronize()
     return time.perf_counter()
 
 

@@ -136,11 +136,14 @@ def to_instruction(op: Op) -> ds_schedule.PipeInstruction:
 class IRSchedule(ds_schedule.PipeSchedule):
     """Adapter: one rank's lowered ops as DeepSpeed's ``PipeSchedule`` (one op per step)."""
 
-    def __init__(self, schedule: Schedule, rank: int, *, train: bool = True, without: frozenset[OpKind] = frozenset()) -> None:
-        """``without``: op kinds this engine would only dispatch as no-ops (each costs host time)."""
+    def __init__(self, schedule: Schedule, rank: int, *, train: bool = True, without: frozenset[OpKind] = frozenset(),
+                 global_order: bool = False) -> None:
+        """``without``: op kinds this engine would only dispatch as no-ops (each costs host time);
+        ``global_order``: transfers in the step's one global order (``program.transfer_order``)."""
         super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
         self.schedule = schedule
-        self.ops = [op for op in lower(schedule, rank, train=train) if op.kind not in without]
+        self.global_order = global_order
+        self.ops = [op for op in lower(schedule, rank, train=train, one_queue=global_order) if op.kind not in without]
         self._instructions = [to_instruction(op) for op in self.ops]
         self.split_units = split_units(self.ops)  # the units whose forwards split backward routes
 

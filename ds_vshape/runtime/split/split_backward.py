@@ -56,6 +56,10 @@ from .split_ops import ParkedWork, accumulate
 # The mark a parameter-computed tensor carries (an attribute on the tensor itself: looked up on every
 # operation of a routed forward, where a weak dictionary's lookup cost a tenth of the forward).
 _DERIVED = "_ds_vshape_derived"
+# Autocast on any device sends a linear to the routed path: one C call, where asking about the
+# input's device builds a device object on every call of every split forward.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
 # GEMM weight gradients accumulated per autograd call in W: one call per GEMM cost more than its
 # Python and engine start-up is worth; a few at once hold only a few gradients' memory more.
 _BATCH = 8
@@ -192,7 +196,7 @@ class WeightGradStore:
             return PLAIN if bias is None or not bias.requires_grad or id(bias) in in_b else ROUTED
         if key in self._whole or type(x) is not torch.Tensor or not x.requires_grad or x.dim() < 2 or hasattr(weight, "ds_id"):
             return ROUTED
-        if id(x) in self._param_ids or hasattr(x, _DERIVED) or torch.is_autocast_enabled(x.device.type):
+        if id(x) in self._param_ids or hasattr(x, _DERIVED) or _any_autocast():
             return ROUTED
         if isinstance(x.grad_fn, BackwardCFunction) and param_like(self, x):  # a custom Function fed by parameters
             return ROUTED

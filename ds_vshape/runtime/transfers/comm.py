@@ -23,7 +23,9 @@ correct on gloo and on GPUs:
   (direction, stage) in a step (lowering marks which), or with every transfer when the
   module has ``dynamic_shape``. A receive that brings a header can post its payload only
   once the header is read, and nothing else may come between them on that pair: before
-  the next operation with that peer, the header is read and the payload posted.
+  the next operation with that peer, the header is read and the payload posted. With one
+  hardware queue (``one_queue``, ``CUDA_DEVICE_MAX_CONNECTIONS=1``) every operation of the rank
+  shares one queue, so the header is read before the next operation with any peer.
 
 **First contact.** NCCL connects a pair on its first exchange, and that call blocks the host
 until the peer makes its own first call with this rank (``schedules.first_contact``).
@@ -49,6 +51,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .device import one_hardware_queue
 from .p2p_waits import Batch, HostWaits, P2PError, P2PTimeoutError, StreamWaits, Waits
 
 __all__ = ["ACT", "GRAD", "P2P", "P2PError", "P2PTimeoutError", "Recv"]
@@ -126,6 +129,8 @@ class P2P:
     ``global_rank_of`` maps a pipeline rank to a process rank; ``groups`` maps each peer
     pipeline rank to the pair's process group (``p2p_groups.pair_groups``);
     ``stream_waits``: wait on the device stream (NCCL) rather than on the host (gloo).
+    ``one_queue``: one hardware queue per rank (default: ``CUDA_DEVICE_MAX_CONNECTIONS=1``);
+    a header is then read before the next operation with any peer.
     """
 
     global_rank_of: list[int]
@@ -135,6 +140,7 @@ class P2P:
     my_rank: int
     dynamic_shape: bool = False
     stream_waits: bool = False
+    one_queue: bool = field(default_factory=one_hardware_queue)
     _waits: Waits = field(init=False)
     _sends: deque[_Sent] = field(default_factory=deque)  # oldest first
     _sent_count: dict[int, int] = field(default_factory=dict)  # send batches per peer, over the engine's life
@@ -177,6 +183,17 @@ class P2P:
         self._shapes.clear()
         self._sent.clear()
         self.peak_inflight_bytes = self.inflight_bytes
+
+    def settle_waits(self, where: str) -> None:
+        """Before the host reads a value that depends on received data (``where``: the step's tail,
+        whose gradient norm, overflow flags and post-validation read the device with ``.item()``):
+        every stream-ordered wait of the step must complete by its deadline, or this raises
+        ``P2PTimeoutError`` naming the transfer. Without it, a stuck transfer behind a stream wait
+        would hang the host inside ``.item()`` with no name and no timeout."""
+        try:
+            self._waits.settle([])
+        except P2PTimeoutError as err:
+            raise P2PTimeoutError(f"{err} (found at {where}, before the host reads the device)") from err
 
     def drain(self) -> None:
         """Wait for every send of the step (their buffers must live until then)."""
@@ -275,7 +292,14 @@ class P2P:
         return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta]
 
     def _read_shapes(self, peer: int) -> None:
-        """Read the header of a receive from ``peer`` and post its payload, before anything else on the pair."""
+        """Read the header of a receive from ``peer`` and post its payload, before anything else on the
+        pair (with one queue: on the rank, whatever the peer)."""
+        if self.one_queue:
+            for other in [p for p in self._unread if p != peer]:
+                self._read_shape(other)
+        self._read_shape(peer)
+
+    def _read_shape(self, peer: int) -> None:
         posted = self._unread.pop(peer, None)
         if posted is None:
             return

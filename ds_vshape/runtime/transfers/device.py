@@ -27,7 +27,17 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-__all__ = ["bind_local_device", "check_device_rank", "comm_device", "waits_on_stream"]
+__all__ = ["MAX_CONNECTIONS_ENV", "bind_local_device", "check_device_rank", "comm_device", "one_hardware_queue",
+           "waits_on_stream"]
+
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def one_hardware_queue() -> bool:
+    """Whether this process runs with one hardware queue per GPU (``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+    as Megatron-DeepSpeed's launch scripts set): every NCCL operation of the rank then runs in
+    issue order on one queue, whatever its communicator."""
+    return os.environ.get(MAX_CONNECTIONS_ENV, "").strip() == "1"
 
 
 def check_device_rank(args: Any = None) -> int:

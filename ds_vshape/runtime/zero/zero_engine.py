@@ -70,6 +70,9 @@ class ZeroPipelineMixin:
             self._zero_reducer.require_gathered(stage, what=f"the W pass of micro-batch {micro_batch}")
 
     def _exec_reduce_tied_grads(self) -> None:
+        # The step's tail starts here (every rank's first tail op): its host reads (gradient norm,
+        # fp16 overflow, post-validation) must not block behind a stuck stream-ordered wait.
+        self._p2p.settle_waits("the start of the step's tail (reduce_tied_grads)")
         if self._zero_reducer is None:
             super()._exec_reduce_tied_grads()
             return

@@ -10,19 +10,19 @@ from __future__ import annotations
 from ..costs import Costs
 from ..ir import BW, F, Action, Schedule
 from ..placement import linear
-from ..registry import register
+from .builtin import builtin
 from ._seq_units import expand_units
 
 __all__ = ["gpipe", "one_f_one_b", "one_f_one_b_ranks"]
 
 
-@register("gpipe", summary="all forwards, then all backwards; peak memory m")
+@builtin("gpipe", summary="all forwards, then all backwards; peak memory m")
 def gpipe(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
     ranks = tuple(tuple([F(r, i) for i in range(m)] + [BW(r, i) for i in range(m)]) for r in range(p))
     return Schedule("gpipe", p, m, 1, 1, linear(p), ranks)
 
 
-@register(
+@builtin(
     "1f1b",
     aliases=("one-f-one-b", "train"),
     summary="DeepSpeed's TrainSchedule order; peak memory p (1 + (p-1)/k with k seq chunks)",

@@ -18,12 +18,12 @@ from __future__ import annotations
 from ..costs import Costs
 from ..ir import BW, F, Action, Schedule
 from ..placement import looped
-from ..registry import register
+from .builtin import builtin
 
 __all__ = ["interleaved", "breadth_first"]
 
 
-@register(
+@builtin(
     "interleaved",
     aliases=("interleaved-1f1b", "depth-first"),
     summary="Megatron interleaved 1F1B (depth-first) on looped placement; v chunks per rank",
@@ -81,7 +81,7 @@ def _interleaved_rank(r: int, p: int, m: int, v: int, table: list[tuple[int, int
     return tuple(order)
 
 
-@register(
+@builtin(
     "breadth-first",
     aliases=("looped-bfs", "bfs"),
     summary="breadth-first on looped placement: all micro-batches per chunk, so ZeRO-2/3 reduce each chunk once; memory m",

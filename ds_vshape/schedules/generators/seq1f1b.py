@@ -12,13 +12,13 @@ from __future__ import annotations
 from ..costs import Costs
 from ..ir import Schedule
 from ..placement import linear
-from ..registry import register
+from .builtin import builtin
 from .basic import one_f_one_b_ranks
 
 __all__ = ["seq1f1b"]
 
 
-@register(
+@builtin(
     "seq1f1b",
     summary="1F1B over sequence chunks (k per micro-batch, default 2); bubble (p-1)/(km+p-1), peak 1+(p-1)/k",
     seq_chunks=True,

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from ..costs import Costs
 from ..ir import Schedule
 from ..placement import vshape
-from ..registry import register
 from ..simulate import SimResult
+from .builtin import builtin
 from . import _blocks as blocks
 
 __all__ = [
@@ -94,7 +94,7 @@ def _any_m(p: int, v: int, k: int) -> int:
     return 1
 
 
-@register(
+@builtin(
     "v-zb", aliases=("zb-v",), fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "zero bubble at peak memory p",
 )
@@ -102,7 +102,7 @@ def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None =
     return _build("v-zb", p, m, vzb_block(p), 2 * p, _w_memory(costs), seq_chunks=k)
 
 
-@register(
+@builtin(
     "v-half", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "about half of 1F1B's bubble and memory",
 )
@@ -110,7 +110,7 @@ def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None
     return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), _w_memory(costs), seq_chunks=k)
 
 
-@register(
+@builtin(
     "v-min", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
     summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble",
 )
@@ -184,7 +184,7 @@ class _Candidate:
     label: str
 
 
-@register(
+@builtin(
     "v-adaptive", fixed_chunks=2, placement="v", split_backward=True, memory_limit=True, min_micro_batches=_any_m,
     summary=_SUMMARY + "lowest-bubble block within memory_limit (in M_B, default p)",
 )

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from ..costs import Costs
 from ..ir import Action, B, F, Kind, Schedule, W
 from ..placement import linear
-from ..registry import register
 from ..simulate import simulate
+from .builtin import builtin
 from ._seq_units import expand_units
 
 __all__ = ["zb_h1", "zb_h2", "zb_auto", "GreedyPolicy", "greedy_schedule"]
@@ -43,7 +43,7 @@ _EPS = 1e-9
 
 
 # ---- hand-crafted ZB-H1 / ZB-H2 -----------------------------------------------------------
-@register(
+@builtin(
     "zb-h1", aliases=("zb1p",), seq_chunks=True, split_backward=True, summary="zero bubble H1: 1F1B memory (p), W delayed into the bubbles"
 )
 def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -53,7 +53,7 @@ def zb_h1(p: int, m: int, *, v: int = 1, k: int = 1, memory_limit: float | None 
     return Schedule("zb-h1", p, m, 1, k, linear(p), _chunked(p, m, k, extra=0))
 
 
-@register(
+@builtin(
     "zb-h2",
     split_backward=True,
     aliases=("zb2p",),
@@ -119,7 +119,7 @@ def _delayed_w_order(r: int, m: int, *, warmup: int, w_delay: int) -> tuple[Acti
 
 
 # ---- zb-auto: greedy heuristic over a grid of policies -----------------------------------
-@register(
+@builtin(
     "zb-auto",
     split_backward=True,
     summary="zero bubble, greedy search over policies for the given costs and memory limit (default p)",

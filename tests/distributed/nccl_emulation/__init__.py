@@ -26,6 +26,18 @@ NCCL's rules (torch 2.13's ``ProcessGroupNCCL::pointToPoint`` and ``batch_isend_
    communicator blocks its host, inside the call, until that peer has made its own first call
    with it on that communicator, as NCCL connects a pair in ``ncclGroupEnd``. A call that waits
    past the timeout raises there ("... first contact ... timed out ...").
+6. Synchronize (its own switch: ``install(synchronize=True)`` or env
+   ``DS_VSHAPE_NCCL_SYNCHRONIZE=1``): DeepSpeed's ``get_accelerator().synchronize()`` blocks
+   the host until every entry the rank issued before it completed, posted receives and
+   unmatched sends included, as a device-wide synchronize does on a GPU (``device_sync``);
+   past the timeout it raises ("... synchronize ... timed out ...").
+7. One queue per rank (its own switch: ``install(one_queue=True)`` or env
+   ``DS_VSHAPE_NCCL_ONE_QUEUE=1``): every communicator of the rank feeds one ordered queue,
+   drained by one thread, as with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue) and
+   NCCL's caveat that two communicators need not progress concurrently: a posted receive on
+   one pair's communicator holds back a send on another's. Data still matches per
+   communicator. A stream-ordered wait is a host wait here (the runtime waits on the host
+   on gloo), so it holds back everything issued after it, as one hardware queue does.
 
 Data travels over gloo on the default group with global ranks, on three reserved tags per
 communicator. The host blocks in ``Work.wait()`` (and in blocking calls, collectives without
@@ -38,9 +50,11 @@ Not emulated: self send/recv, ops inside torch's ``_coalescing_manager`` (left t
 
 from __future__ import annotations
 
-from .emulator import (FIRST_CONTACT_ENV, MODE_ENV, MODES, TIMEOUT_ENV, env_first_contact, env_mode, first_contact,
-                       first_contacts_made, install, installed, mode, unfinished_ops, uninstall)
+from .emulator import (FIRST_CONTACT_ENV, MODE_ENV, MODES, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, TIMEOUT_ENV, env_first_contact,
+                       env_mode, env_switch, first_contact, first_contacts_made, install, installed, mode, one_queue,
+                       original, synchronize_rule, synchronizes, synchronizes_waited, unfinished_ops, uninstall)
 from .queues import EmulatedWork
 
-__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "TIMEOUT_ENV", "EmulatedWork", "env_first_contact", "env_mode",
-           "first_contact", "first_contacts_made", "install", "installed", "mode", "unfinished_ops", "uninstall"]
+__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "ONE_QUEUE_ENV", "SYNCHRONIZE_ENV", "TIMEOUT_ENV", "EmulatedWork",
+           "env_first_contact", "env_mode", "env_switch", "first_contact", "first_contacts_made", "install", "installed",
+           "mode", "one_queue", "original", "synchronize_rule", "synchronizes", "synchronizes_waited", "unfinished_ops", "uninstall"]

@@ -13,15 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .queues import CommKey, Communicator, EmulatedWork, P2P, Transport, in_worker
+from . import device_sync
+from .queues import CommKey, Communicator, EmulatedWork, Lane, P2P, Transport, in_worker
 
-__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "TIMEOUT_ENV", "env_first_contact", "env_mode", "first_contact",
-           "first_contacts_made", "install", "installed", "mode", "unfinished_ops", "uninstall"]
+__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "ONE_QUEUE_ENV", "SYNCHRONIZE_ENV", "TIMEOUT_ENV", "env_first_contact",
+           "env_mode", "env_switch", "first_contact", "first_contacts_made", "install", "installed", "mode", "one_queue", "original",
+           "synchronize_rule", "synchronizes", "synchronizes_waited", "unfinished_ops", "uninstall"]
 
 MODES = ("eager", "lazy")
 MODE_ENV = "DS_VSHAPE_NCCL_EMULATION"  # set by tests/distributed/launch.py: "eager", "lazy" ("1" = eager)
 TIMEOUT_ENV = "DS_VSHAPE_NCCL_TIMEOUT_S"
 FIRST_CONTACT_ENV = "DS_VSHAPE_NCCL_FIRST_CONTACT"  # "1": a first p2p call with a peer blocks until the peer's
+SYNCHRONIZE_ENV = "DS_VSHAPE_NCCL_SYNCHRONIZE"  # "1": the accelerator's synchronize() waits for every op the rank queued
+ONE_QUEUE_ENV = "DS_VSHAPE_NCCL_ONE_QUEUE"  # "1": every communicator of a rank feeds one ordered queue
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # Every tensor collective DeepSpeed reaches (deepspeed/comm/torch.py looks them up at call time,
 # except all_gather_into_tensor / reduce_scatter_tensor, cached at its init: install before it).
@@ -43,6 +47,10 @@ class _Emulator:
         self.mode = "eager"
         self.timeout_s = 60.0
         self.first_contact = False
+        self.one_queue = False  # every communicator's entries go on the rank's one lane
+        self.synchronize = False  # the accelerator's synchronize() waits for every entry issued before it
+        self._rank_lane: Lane | None = None  # the one lane, made at the first entry under the rule
+        self._issued: list[EmulatedWork] = []  # entries not yet seen complete, in issue order (for synchronize)
         self.active = False
         self._contacted: set[tuple[CommKey, int]] = set()  # (communicator, peer) this rank has called with
         self._greetings: list[Any] = []  # gloo works of greetings still open (their buffers must live)
@@ -65,9 +73,25 @@ class _Emulator:
     def _enqueue(self, key: CommKey, label: str, run: Callable[[Communicator], Any]) -> EmulatedWork:
         with self._issue_lock:
             comm = self._communicator(key)
-            work = EmulatedWork(f"{label} #{next(self._count)}", str(key), lambda: self.timeout_s, self.mode)
-            comm.put(functools.partial(run, comm), work)
+            where = f"{key}, on rank {dist.get_rank()}'s one queue" if self.one_queue else str(key)
+            work = EmulatedWork(f"{label} #{next(self._count)}", where, lambda: self.timeout_s, self.mode)
+            self._lane(comm).put(functools.partial(run, comm), work)
+            self._issued = [w for w in self._issued if not w.is_completed()] + [work]
         return work
+
+    def _lane(self, comm: Communicator) -> Lane:
+        """The communicator's own stream, or under the one-queue rule the rank's one queue."""
+        if not self.one_queue:
+            return comm.lane
+        if self._rank_lane is None:
+            self._rank_lane = Lane(f"rank {dist.get_rank()} one queue")
+        return self._rank_lane
+
+    def outstanding(self) -> list[EmulatedWork]:
+        """Entries issued so far and not complete (what a device-wide synchronize waits for)."""
+        with self._issue_lock:
+            self._issued = [w for w in self._issued if not w.is_completed()]
+            return list(self._issued)
 
     def p2p(self, ops: list[P2P], group: Any, *, batched: bool, label: str) -> EmulatedWork:
         """Eager: the group's communicator. Lazy: a batch on the group's, an unbatched op on the
@@ -106,7 +130,8 @@ class _Emulator:
 
     def unfinished(self) -> int:
         with self._issue_lock:
-            return sum(comm.unfinished for comm in self._comms.values()) + len(self._greetings)
+            lanes = [comm.lane for comm in self._comms.values()] + ([self._rank_lane] if self._rank_lane else [])
+            return sum(lane.unfinished for lane in lanes) + len(self._greetings)
 
 
 _EMU: _Emulator | None = None
@@ -242,19 +267,30 @@ def env_mode(value: str | None) -> str | None:
 
 def env_first_contact(value: str | None) -> bool:
     """Whether the env var ``FIRST_CONTACT_ENV`` turns the first-contact rule on."""
+    return env_switch(FIRST_CONTACT_ENV, value)
+
+
+def env_switch(name: str, value: str | None) -> bool:
+    """Whether a rule's env var (``FIRST_CONTACT_ENV``, ``SYNCHRONIZE_ENV``, ``ONE_QUEUE_ENV``) turns it on."""
     if value in (None, "", "0"):
         return False
     if value != "1":
-        raise ValueError(f"{FIRST_CONTACT_ENV}={value!r}: use '1' (on) or '0' (off)")
+        raise ValueError(f"{name}={value!r}: use '1' (on) or '0' (off)")
     return True
 
 
-def install(*, mode: str = "eager", timeout_s: float | None = None, first_contact: bool | None = None) -> None:
+def install(*, mode: str = "eager", timeout_s: float | None = None, first_contact: bool | None = None,
+            synchronize: bool | None = None, one_queue: bool | None = None) -> None:
     """Route p2p ops and collectives through the emulation, in ``mode`` ("eager": device bound at
     init, as DeepSpeed does on GPUs; "lazy": none bound). ``first_contact`` (default: env
     ``FIRST_CONTACT_ENV``): a rank's first p2p call with a peer on a communicator blocks its host
-    until that peer's first call with it there. Installing again sets the mode, the timeout and
-    the rule for ops issued from then on (every rank must switch at the same point)."""
+    until that peer's first call with it there. ``synchronize`` (default: env ``SYNCHRONIZE_ENV``):
+    DeepSpeed's ``get_accelerator().synchronize()`` blocks the host until every entry the rank
+    issued before it completed (posted receives and unmatched sends included), as a device-wide
+    synchronize does on a GPU. ``one_queue`` (default: env ``ONE_QUEUE_ENV``): every
+    communicator of the rank feeds one ordered queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+    Installing again sets the mode, the timeout and the rules for ops issued from then on
+    (every rank must switch at the same point, with nothing in flight when ``one_queue`` changes)."""
     global _EMU
     if mode not in MODES:
         raise ValueError(f"nccl_emulation: mode must be one of {MODES}, got {mode!r}")
@@ -262,10 +298,19 @@ def install(*, mode: str = "eager", timeout_s: float | None = None, first_contac
         timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
     if first_contact is None:
         first_contact = env_first_contact(os.environ.get(FIRST_CONTACT_ENV))
+    if synchronize is None:
+        synchronize = env_switch(SYNCHRONIZE_ENV, os.environ.get(SYNCHRONIZE_ENV))
+    if one_queue is None:
+        one_queue = env_switch(ONE_QUEUE_ENV, os.environ.get(ONE_QUEUE_ENV))
     names = _P2P + tuple(n for n in _COLLECTIVES if hasattr(c10d, n))
     if _EMU is None:
         _EMU = _Emulator({name: getattr(c10d, name) for name in names})
     _EMU.mode, _EMU.timeout_s, _EMU.first_contact = mode, timeout_s, first_contact
+    _EMU.one_queue, _EMU.synchronize = one_queue, synchronize
+    if synchronize:
+        device_sync.patch(_EMU.outstanding, lambda: _EMU.timeout_s, lambda: _EMU.mode)
+    else:
+        device_sync.restore()
     if _EMU.active:
         return
     for name in names:
@@ -280,6 +325,7 @@ def uninstall() -> None:
     """Restore torch's functions (communicators and their threads stay, wedged ones parked)."""
     if _EMU is None or not _EMU.active:
         return
+    device_sync.restore()
     for name, fn in _EMU.originals.items():
         setattr(c10d, name, fn)
         if name in _EMU.in_dist:
@@ -299,6 +345,33 @@ def mode() -> str | None:
 def first_contact() -> bool:
     """Whether the first-contact rule is on (False when not installed)."""
     return installed() and _EMU.first_contact
+
+
+def original(name: str) -> Callable[..., Any]:
+    """torch's own function behind an emulated one (for harness calls that must bypass the rules)."""
+    if _EMU is None:
+        return getattr(c10d, name)
+    return _EMU.originals[name]
+
+
+def one_queue() -> bool:
+    """Whether the one-queue rule is on (False when not installed)."""
+    return installed() and _EMU.one_queue
+
+
+def synchronize_rule() -> bool:
+    """Whether the synchronize rule is on (False when not installed)."""
+    return installed() and _EMU.synchronize
+
+
+def synchronizes_waited() -> int:
+    """How many emulated synchronize() calls found entries still outstanding and waited for them."""
+    return device_sync.waited()
+
+
+def synchronizes() -> int:
+    """How many synchronize() calls the rule saw from the host (DeepSpeed's ZeRO sites included)."""
+    return device_sync.calls()
 
 
 def first_contacts_made() -> int:

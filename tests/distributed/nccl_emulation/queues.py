@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CommKey", "Communicator", "EmulatedWork", "P2P", "Transport", "in_worker"]
+__all__ = ["CommKey", "Communicator", "EmulatedWork", "Lane", "P2P", "Transport", "in_worker"]
 
 _TAG_BASE = 0x4E00_0000  # reserved range: gloo tags are int32; user tags are small
 _LOCAL = threading.local()  # .worker is set on communicator threads
@@ -108,16 +108,15 @@ class P2P:
     peer: int  # global rank
 
 
-class Communicator:
-    """One emulated communicator on this rank: its queue and the daemon thread that drains it."""
+class Lane:
+    """One ordered queue of entries and the daemon thread that drains it: a stream of one
+    communicator, or, under the one-queue rule, the rank's one hardware queue."""
 
-    def __init__(self, key: CommKey) -> None:
-        self.key = key
-        self.data_tag, self.token_tag, self.greeting_tag = key.tags()
+    def __init__(self, name: str) -> None:
         self._entries: queue.SimpleQueue[tuple[Callable[[], Any], EmulatedWork]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.unfinished = 0  # entries issued and not yet completed (or failed)
-        threading.Thread(target=self._run, name=f"nccl-emulation {key}", daemon=True).start()
+        threading.Thread(target=self._run, name=f"nccl-emulation {name}", daemon=True).start()
 
     def put(self, run: Callable[[], Any], work: EmulatedWork) -> None:
         with self._lock:
@@ -136,6 +135,22 @@ class Communicator:
             with self._lock:
                 self.unfinished -= 1
             work._finish(error)  # a failed entry is done; NCCL would wedge the stream, later ones may hang
+
+
+class Communicator:
+    """One emulated communicator on this rank: its tags and its own lane (its stream)."""
+
+    def __init__(self, key: CommKey) -> None:
+        self.key = key
+        self.data_tag, self.token_tag, self.greeting_tag = key.tags()
+        self.lane = Lane(str(key))
+
+    @property
+    def unfinished(self) -> int:
+        return self.lane.unfinished
+
+    def put(self, run: Callable[[], Any], work: EmulatedWork) -> None:
+        self.lane.put(run, work)
 
 
 class Transport:

@@ -1,0 +1,175 @@
+"""Run fault cases: each rank of a case in an independent process, several cases at once.
+
+``python -m tests.distributed.fault_driver CASES_JSON OUT_DIR [CONCURRENT]``. The driver imports
+torch, DeepSpeed and ds_vshape once and forks every rank from there (each start would otherwise
+pay seconds of imports); a rank process is a child of the driver only, never of another rank,
+and the driver stops none of them: as on several nodes, nothing tells a survivor that a peer
+died except what the runtime itself notices. Each rank runs as a script would: an uncaught
+error ends it with a traceback on its stderr (``OUT/CASE/rank{r}.err``) and exit status 1
+(through ``os._exit``: a forked copy must never return into the driver's code).
+
+The driver waits for every rank of a case (``os.waitpid``) and writes ``OUT/CASE/result.json``:
+each rank's exit status, the time it ended and its last error line, and the killed rank's
+record (``killed{r}.json``: the time of its SIGKILL). A rank still running ``hard_limit_s``
+after its case started is recorded as ``left_running`` and then killed, so a hang fails the
+test instead of the suite. The dead rank's socket holder is ended after the survivors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+__all__ = ["main"]
+
+_POLL_S = 0.05
+
+
+def _subreaper() -> None:
+    """Become the reaper of orphans (the killed ranks' socket holders), so none outlives the driver."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_main(case: dict[str, Any], rank: int, port: int, case_dir: str) -> None:
+    """The forked rank: stderr to its file, the process group's env, the case; exits like a script."""
+    err = os.open(os.path.join(case_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 1)
+    os.dup2(err, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case["world"]), LOCAL_WORLD_SIZE=str(case["world"]),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        import deepspeed
+
+        from .fault_checks import run_fault_rank
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        run_fault_rank(case, case_dir)
+    except BaseException:  # what a user's script prints before it exits non-zero
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # past this point the process is the driver's copy: never return into it
+
+
+def _start(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    from .launch import free_port
+
+    case_dir = os.path.join(out_dir, case["name"])
+    os.makedirs(case_dir, exist_ok=True)
+    port = free_port()
+    pids = {}
+    for rank in range(case["world"]):
+        pid = os.fork()
+        if pid == 0:
+            _rank_main(case, rank, port, case_dir)
+        pids[pid] = rank
+    return {"case": case, "dir": case_dir, "pids": pids, "started": time.time(), "ranks": {}}
+
+
+def _last_error(path: str) -> str | None:
+    with open(path, errors="replace") as fh:
+        lines = [line.rstrip() for line in fh if line.strip()]
+    errors = [line for line in lines if not line.startswith((" ", "[", "Traceback", "During handling", "The above"))]
+    return errors[-1] if errors else None
+
+
+def _record(run: dict[str, Any], pid: int, status: int, at: float) -> None:
+    rank = run["pids"].pop(pid)
+    code = os.waitstatus_to_exitcode(status)
+    run["ranks"][rank] = {"exit": code, "ended": at, "error": _last_error(os.path.join(run["dir"], f"rank{rank}.err"))}
+
+
+def _finish(run: dict[str, Any]) -> dict[str, Any]:
+    """The case's result; ends the killed rank's socket holder."""
+    case, killed = run["case"], None
+    path = os.path.join(run["dir"], f"killed{case['kill_rank']}.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            killed = json.load(fh)
+        _end(killed["holder"])
+    result = {"killed": killed, "started": run["started"], "ranks": {str(r): v for r, v in sorted(run["ranks"].items())},
+              "left_running": run.get("left_running", [])}
+    with open(os.path.join(run["dir"], "result.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    return result
+
+
+def _end(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def _reap_orphans() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _poll(running: list[dict[str, Any]], hard_limit_s: float) -> list[dict[str, Any]]:
+    """Reap what ended; returns the runs all of whose ranks are done."""
+    done = []
+    for run in running:
+        for pid in list(run["pids"]):
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                _record(run, pid, status, time.time())
+        if run["pids"] and time.time() - run["started"] > hard_limit_s:
+            run["left_running"] = sorted(run["pids"].values())
+            for pid in list(run["pids"]):
+                _end(pid)
+                _record(run, pid, os.waitpid(pid, 0)[1], time.time())
+        if not run["pids"]:
+            done.append(run)
+    return done
+
+
+def main() -> None:
+    cases = json.load(open(sys.argv[1]))
+    out_dir = sys.argv[2]
+    concurrent = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    _subreaper()
+    if os.environ.get("DS_VSHAPE_NCCL_EMULATION"):  # before any process group, as in worker.py
+        from tests.distributed import nccl_emulation
+
+        nccl_emulation.install(mode=nccl_emulation.env_mode(os.environ["DS_VSHAPE_NCCL_EMULATION"]))
+    import deepspeed  # noqa: F401  (imported once, here, for every forked rank)
+
+    from tests.distributed import fault_checks  # noqa: F401
+    from tests.distributed.cpu_fp16 import allow_cpu_fp16
+
+    allow_cpu_fp16()
+    pending, running, results = list(cases), [], {}
+    while pending or running:
+        while pending and len(running) < concurrent:
+            running.append(_start(pending.pop(0), out_dir))
+        for run in _poll(running, hard_limit_s=float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "120"))):
+            running.remove(run)
+            results[run["case"]["name"]] = _finish(run)
+        time.sleep(_POLL_S)
+    time.sleep(0.2)
+    _reap_orphans()
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = os.environ.get("TMPDIR", tempfile.gettempdir())
+    main()
