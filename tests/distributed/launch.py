@@ -86,3 +86,12 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
 def by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """``launch``'s per-rank results regrouped per case: case name -> one result per rank."""
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this id still exists (a test's check that no rank outlived its case)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -13,7 +13,6 @@ post-validation, the w_memory fit and fp16 equals the uninterrupted job, files b
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 from ds_vshape.runtime.dropin.integrity import tag_problems
 from ds_vshape.runtime.dropin.layout_file import CheckpointError, read_layout
 
-from .launch import launch
+from .launch import launch, process_alive
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -160,14 +159,6 @@ def test_a_restarted_job_continues_exactly_as_the_uninterrupted_one(results: dic
         assert res["skipped"] == [1, 1] and res["end"][0]["scale"] != at_save["scale"], f"rank {rank}: {res}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_path: Path) -> None:
     """Rank 1 dies by SIGKILL in the save of t2, right after writing its optimizer file; the launcher stops rank 0.
     A new launch then resumes from ``latest``: exactly the state the job had at t1, and the same step 2."""
@@ -178,9 +169,9 @@ def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_
     took = time.time() - float((root / "killed_at").read_text())
     pids = [int((root / "pids" / str(r)).read_text()) for r in range(2)]
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids), f"ranks still running: {pids}"
+    assert not any(process_alive(pid) for pid in pids), f"ranks still running: {pids}"
     assert took < 30, f"the launch ended {took:.0f} s after the kill"
     assert (root / "latest").read_text() == "t1"
     assert (root / "t2" / "vs_optim_pp_rank_01.pt").is_file() and not (root / "t2" / "vs_layout.json").exists()

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ROOT, default_mode
+from .launch import ROOT, default_mode, process_alive
 
 pytestmark = pytest.mark.distributed
 
@@ -118,14 +118,6 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return results
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_what_they_waited_for(faults: dict, name: str) -> None:
     res = faults[name]
@@ -133,7 +125,7 @@ def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_what_they_wai
     assert killed is not None, f"{name}: rank {KILL_RANK} never reached its kill point: {res['ranks']}"
     assert res["left_running"] == [], f"{name}: ranks {res['left_running']} were still running a minute after the start"
     assert res["ranks"][str(KILL_RANK)]["exit"] == -9, res["ranks"][str(KILL_RANK)]
-    assert not _alive(killed["holder"]), f"{name}: the killed rank's socket holder {killed['holder']} outlived the case"
+    assert not process_alive(killed["holder"]), f"{name}: the killed rank's socket holder {killed['holder']} outlived the case"
     case = next(c for c in CASES if c["name"] == name)
     p, step = case["p"], case.get("named_step", case["kill_step"])
     for rank, got in res["ranks"].items():

@@ -21,30 +21,21 @@ import torch.distributed as dist
 from ds_vshape.runtime.transfers import device as device_mod
 from ds_vshape.runtime.transfers.comm import P2P
 from ds_vshape.runtime.transfers.p2p_groups import neighbour_pairs
-from ds_vshape.schedules import generate, get_info, linear, looped, schedule_names, vshape
+from ds_vshape.schedules import generate, linear, looped, schedule_names, vshape
 from ds_vshape.schedules.first_contact import contact_pairs, first_peers, warm_up_peers
 from ds_vshape.schedules.lowering import programs
 from ds_vshape.schedules.ops import Op, OpKind
 from ds_vshape.schedules.p2p_check import check_transfers
 from ds_vshape.schedules.p2p_order import TransferOrderError
+from tests.unit.schedule_sizes import sizes
 
 LOOPED = ("interleaved", "breadth-first")
-
-
-def _sizes(name: str) -> list[tuple[int, int, dict]]:
-    info = get_info(name)
-    extra = {"seq_chunks": 2} if info.seq_chunks else {}
-    out = []
-    for p in range(2, 9):
-        low = max(info.min_micro_batches(p, info.chunks(None), extra.get("seq_chunks", 1)), 1)
-        out += [(p, m, extra) for m in sorted({low, 2 * p})]
-    return out
 
 
 # ---- which pairs, which order ---------------------------------------------------------------
 @pytest.mark.parametrize("name", schedule_names())
 def test_the_pairs_that_warm_up_are_the_pairs_the_runtime_makes_groups_for(name: str) -> None:
-    for p, m, extra in _sizes(name):
+    for p, m, extra in sizes(name):
         schedule = generate(name, p, m, **extra)
         for train in (True, False):
             assert contact_pairs(programs(schedule, train=train)) == tuple(neighbour_pairs(schedule.stage_to_rank)), (p, m)
@@ -81,7 +72,7 @@ def test_linear_and_v_schedules_meet_first_contact_even_without_it(name: str) ->
 
 @pytest.mark.parametrize("name", schedule_names())
 def test_every_schedule_runs_under_first_contact_once_its_pairs_are_connected(name: str) -> None:
-    for p, m, extra in _sizes(name):
+    for p, m, extra in sizes(name):
         for train in (True, False):
             progs = programs(generate(name, p, m, **extra), train=train)
             check_transfers(progs, first_contact=True, connected=contact_pairs(progs))

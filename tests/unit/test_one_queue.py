@@ -28,18 +28,9 @@ from ds_vshape.schedules.ops import POSTS, SENDS, Op, OpKind
 from ds_vshape.schedules.p2p_check import check_transfers
 from ds_vshape.schedules.p2p_order import TransferOrderError
 from tests.unit.test_p2p_waits import NcclLikeWork
+from tests.unit.schedule_sizes import sizes
 
 LOOPED = ("interleaved", "breadth-first")
-
-
-def _sizes(name: str) -> list[tuple[int, int, dict]]:
-    info = get_info(name)
-    extra = {"seq_chunks": 2} if info.seq_chunks else {}
-    out = []
-    for p in range(2, 9):
-        low = max(info.min_micro_batches(p, info.chunks(None), extra.get("seq_chunks", 1)), 1)
-        out += [(p, m, extra) for m in sorted({low, low + 1, 2 * p})]
-    return out
 
 
 def _fails(progs: list[list[Op]], **model: Any) -> bool:
@@ -55,7 +46,7 @@ def test_every_schedule_runs_under_one_queue_in_the_order_the_runtime_picks(name
     # The runtime keeps the default order where it is safe and switches to the global order
     # where it is not; either way the order it runs passes the one-queue model. Looped
     # placements at p >= 3 are the ones that need the switch.
-    for p, m, extra in _sizes(name):
+    for p, m, extra in sizes(name, one_above_least=True):
         schedule = generate(name, p, m, **extra)
         for train in (True, False):
             for dynamic in (False, True):
@@ -67,7 +58,7 @@ def test_every_schedule_runs_under_one_queue_in_the_order_the_runtime_picks(name
 
 @pytest.mark.parametrize("name", schedule_names())
 def test_the_global_order_is_also_safe_with_pair_communicators(name: str) -> None:
-    for p, m, extra in _sizes(name)[::2]:
+    for p, m, extra in sizes(name, one_above_least=True)[::2]:
         schedule = generate(name, p, m, **extra)
         for train in (True, False):
             progs = programs(schedule, train=train, one_queue=True)

@@ -14,30 +14,21 @@ from __future__ import annotations
 import pytest
 
 from ds_vshape.runtime.program import transfer_order
-from ds_vshape.schedules import generate, get_info, schedule_names
+from ds_vshape.schedules import generate, schedule_names
 from ds_vshape.schedules.lowering import programs
 from ds_vshape.schedules.ops import COMPUTE, DATA_PARALLEL, Op, OpKind
 from ds_vshape.schedules.p2p_check import check_transfers
 from ds_vshape.schedules.p2p_order import TransferOrderError
+from tests.unit.schedule_sizes import sizes
 
 LOOPED = ("interleaved", "breadth-first")
 ZERO3 = DATA_PARALLEL  # gather_params, release_params, reduce_stage_grads: all acted on under ZeRO-3
 ZERO2 = frozenset({OpKind.REDUCE_STAGE_GRADS})  # allreduce_and_copy's synchronize
 
 
-def _sizes(name: str) -> list[tuple[int, int, dict]]:
-    info = get_info(name)
-    extra = {"seq_chunks": 2} if info.seq_chunks else {}
-    out = []
-    for p in range(2, 9):
-        low = max(info.min_micro_batches(p, info.chunks(None), extra.get("seq_chunks", 1)), 1)
-        out += [(p, m, extra) for m in sorted({low, 2 * p})]
-    return out
-
-
 @pytest.mark.parametrize("name", schedule_names())
 def test_every_schedule_survives_zero_synchronizes_in_the_order_the_runtime_picks(name: str) -> None:
-    for p, m, extra in _sizes(name):
+    for p, m, extra in sizes(name):
         schedule = generate(name, p, m, **extra)
         for train in (True, False):
             for one_queue in (False, True):
