@@ -131,7 +131,7 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
                     collate_fn: Any = None) -> tuple[PipelineModule, Schedule]:
     """Check everything that could later hang, make the schedule, re-place the layers for it."""
     p = model.num_stages
-    micro_batches = _micro_batches(config, model)
+    micro_batches, micro_batch_size = _batch(config, model)
     info = get_info(vs.first_schedule)  # for auto, the schedule it starts with
     if (config.get("torch_autocast") or {}).get("enabled"):
         # DeepSpeed enters autocast in DeepSpeedEngine.forward, which our stage forwards bypass:
@@ -175,7 +175,8 @@ def _prepare_module(model: DSPipelineModule, vs: PipelineConfig, config: dict[st
         raise ConfigError(str(err)) from None
     profile = None
     if method == "profile":  # measured on this job's layers and a sample micro-batch (runtime/measuring/profile.py)
-        profile = profiled_cut(model, schedule, vs, config=config, training_data=training_data, collate_fn=collate_fn)
+        profile = profiled_cut(model, schedule, vs, micro_batch_size=micro_batch_size, training_data=training_data,
+                               collate_fn=collate_fn)
     module = from_deepspeed_module(model, schedule.stage_to_rank, partition_method=method,
                                    stage_parts=None if profile is None else profile.cut.parts)
     if profile is not None:
@@ -199,9 +200,9 @@ class _DataParallel:
         return self._size
 
 
-def _micro_batches(config: dict[str, Any], model: DSPipelineModule) -> int:
-    """Micro-batches per step, resolved by DeepSpeed's own rules from any one or two of
-    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps."""
+def _batch(config: dict[str, Any], model: DSPipelineModule) -> tuple[int, int]:
+    """(micro-batches per step, rows per micro-batch), resolved once by DeepSpeed's own rules from
+    any one or two of train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps."""
     # The topology's model (tensor-parallel) axis holds no replicas: a 3D job's data-parallel
     # size is world / (pipeline x tensor-parallel), as DeepSpeed's grid counts it.
     tp = model_parallel_size(model._topo)
@@ -211,4 +212,4 @@ def _micro_batches(config: dict[str, Any], model: DSPipelineModule) -> int:
     except AssertionError as err:
         shape = f"{dp} data-parallel replicas x {model.num_stages} pipeline ranks" + (f" x {tp} tensor-parallel ranks" if tp > 1 else "")
         raise ConfigError(f"the batch keys do not fit {shape}: {err}") from None
-    return int(resolved.gradient_accumulation_steps)
+    return int(resolved.gradient_accumulation_steps), int(resolved.train_micro_batch_size_per_gpu)

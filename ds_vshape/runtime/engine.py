@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 from ..schedules import F, Kind, Schedule
+from ..schedules.ir import Unit
 from ..schedules.first_contact import contact_pairs, warm_up_peers
 from ..schedules.fit_limit import moved_share_limit
 from ..schedules.lowering import programs
@@ -46,7 +47,6 @@ from .zero.zero_engine import ZeroPipelineMixin
 __all__ = ["VShapeEngine"]
 
 log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
-Unit = tuple[int, int, int]
 
 
 class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin, ckpt.AtomicSaveMixin, PipelineEngine):
@@ -272,7 +272,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self._offload.before_pass(Kind.B, unit)
         with self._store.deferring(unit):
             self._backward(stage, micro_batch, seq_chunk, buffer_id)
-        fitted = self._fit.after_backward_input(unit, share=self.schedule.params.get("w_memory"), rank=self.stage_id,
+        fitted = self._fit.after_backward_input(unit, share=self.schedule.w_memory, rank=self.stage_id,
                                                 run_now=lambda run: self._weight_pass(stage, micro_batch, run),
                                                 max_moved=self._fit_limit)
         if fitted:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Kind", "Action", "Schedule", "parse_action", "F", "B", "W", "BW"]
+__all__ = ["Kind", "Action", "Schedule", "Unit", "parse_action", "F", "B", "W", "BW"]
+
+# One piece of work a pass runs on: (model stage, micro-batch, sequence chunk).
+Unit = tuple[int, int, int]
 
 
 class Kind(str, Enum):
@@ -135,6 +138,13 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]
+
+    @property
+    def w_memory(self) -> float | None:
+        """The share of a unit's activation the schedule counts as kept from B until W (its
+        generator's ``w_memory``); None for a schedule that counts none (no memory bound on W)."""
+        share = self.params.get("w_memory")
+        return None if share is None else float(share)
 
     @property
     def uses_split_backward(self) -> bool:

@@ -26,12 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .costs import Costs
-from .ir import Action, Kind, Schedule
+from .ir import Action, Kind, Schedule, Unit
 
-__all__ = ["Unit", "OffloadPlan", "lifespans", "offload_units", "reload_points", "w_reload_points", "offload_plan",
+__all__ = ["OffloadPlan", "lifespans", "offload_units", "reload_points", "w_reload_points", "offload_plan",
            "check_share"]
 
-Unit = tuple[int, int, int]  # (stage, micro_batch, seq_chunk)
 _EPS = 1e-9
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ir import Kind, Schedule
+from .ir import Kind, Schedule, Unit
 from .lowering import lower
 from .ops import COMPUTE, DATA_PARALLEL, Op, OpKind
 from .simulate import SimResult
@@ -18,7 +18,6 @@ from .simulate import SimResult
 __all__ = ["data_parallel_events"]
 
 _BEFORE = frozenset({OpKind.GATHER_PARAMS})  # placed before the next pass; the others after the previous one
-Unit = tuple[int, int, int]
 
 
 def _spans(timeline: tuple[tuple[float, float, Any], ...]) -> dict[tuple[str, Unit], tuple[float, float]]:

@@ -54,12 +54,12 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "runtime/dropin/": frozenset({"config.py", "runtime/transfers/"}),
     "runtime/offload/": frozenset({"schedules/", "runtime/measuring/"}),
     # Stale in the README before issue 31: auto.py subclasses the engine and reads its
-    # instruction types (program), and profile.py asks step_end for the model-parallel size and
-    # reads the sample batch's types from tuning.py. The engine arrow is the one that runs back
-    # up; moving AutoEngine beside the engine (issue 31, point 1) removes it.
+    # instruction types (program), and profile.py reads the sample batch's types from tuning.py.
+    # The engine arrow is the one that runs back up; moving AutoEngine beside the engine (issue
+    # 31, point 1) removes it.
     "runtime/measuring/": frozenset({
         "schedules/", "config.py", "tuning.py", "runtime/dropin/", "runtime/transfers/", "runtime/engine.py",
-        "runtime/program/", "runtime/step_end/",
+        "runtime/program/",
     }),
 }
 

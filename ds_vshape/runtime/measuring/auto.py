@@ -192,7 +192,7 @@ class AutoEngine(VShapeEngine):
         self._check_schedule(schedule)
         if schedule.uses_split_backward and not self.schedule.uses_split_backward:
             self._enable_split_backward()  # with the engine's weight_grads_in_b
-        if schedule.params.get("w_memory") != self.schedule.params.get("w_memory"):
+        if schedule.w_memory != self.schedule.w_memory:
             self._fit.undo()  # the new schedule's bound counts another share (or none): fit anew
         self.schedule = schedule
         self._train_ir = self._ir(schedule)

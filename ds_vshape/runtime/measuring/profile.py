@@ -14,7 +14,6 @@ Weights, gradients, buffers and random state are left as they were.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule as DSPipelineModule
 from deepspeed.utils import logger as log
 from torch import nn
@@ -38,7 +36,6 @@ from ...tuning import INTEGER_DTYPES, SampleTensor
 from ..dropin.carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
 from ..transfers.device import comm_device
-from ..step_end.tensor_parallel import model_parallel_size
 
 __all__ = ["Profile", "profiled_cut", "measure_layers", "sample_micro_batch"]
 
@@ -55,10 +52,13 @@ class Profile:
     cut: Cut
 
 
-def profiled_cut(model: DSPipelineModule, schedule: Schedule, vs: PipelineConfig, *, config: dict[str, Any],
+def profiled_cut(model: DSPipelineModule, schedule: Schedule, vs: PipelineConfig, *, micro_batch_size: int,
                  training_data: Any = None, collate_fn: Callable[..., Any] | None = None) -> Profile:
-    """Measure the stock module's layers on a sample micro-batch and cut them for ``schedule``'s placement."""
-    rows = _micro_batch_size(config, model) if training_data is not None else 0
+    """Measure the stock module's layers on a sample micro-batch and cut them for ``schedule``'s placement.
+
+    ``micro_batch_size``: the rows DeepSpeed's loader batches ``training_data`` into (``initialize``
+    resolves the batch keys once)."""
+    rows = micro_batch_size if training_data is not None else 0
     sample = sample_micro_batch(vs, micro_batch_size=rows, training_data=training_data, collate_fn=collate_fn)
     costs = tuple(measure_layers(model, sample))
     inflight = stage_inflight(schedule, kept_until_w=vs.w_memory)
@@ -68,15 +68,6 @@ def profiled_cut(model: DSPipelineModule, schedule: Schedule, vs: PipelineConfig
         _log_cut(costs, box[0], schedule)
     dist.broadcast_object_list(box, src=0, device=comm_device())
     return Profile(costs, inflight, box[0])
-
-
-def _micro_batch_size(config: dict[str, Any], model: DSPipelineModule) -> int:
-    """train_micro_batch_size_per_gpu as DeepSpeed resolves it from the batch keys given."""
-    class _DataParallel:  # just enough of an mpu, before the engine's grid exists
-        def get_data_parallel_world_size(self) -> int:
-            return dist.get_world_size() // (model.num_stages * model_parallel_size(model._topo))  # not the model axis
-
-    return int(DeepSpeedConfig(copy.deepcopy(config), mpu=_DataParallel()).train_micro_batch_size_per_gpu)
 
 
 def sample_micro_batch(vs: PipelineConfig, *, micro_batch_size: int, training_data: Any = None,

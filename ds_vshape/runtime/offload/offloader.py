@@ -41,7 +41,8 @@ from torch import nn
 
 from ...schedules import Action, Kind, Schedule
 from ...schedules.lowering import OpKind
-from ...schedules.offload import Unit, check_share, offload_plan
+from ...schedules.ir import Unit
+from ...schedules.offload import check_share, offload_plan
 from ..measuring.memory import ActivationMeter
 from .host_pool import HostPool
 from .w_kept import KeptForW, storage_key

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...schedules.offload import Unit
+from ...schedules.ir import Unit
 
 __all__ = ["KeptForW", "storage_key"]
 
