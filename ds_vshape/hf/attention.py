@@ -11,7 +11,7 @@ which the stage keeps in a ``ChunkKVState`` (one per stage and micro-batch):
 Inside the context every recorded call is replayed the way transformers runs
 a model with a KV cache of ``start`` tokens: a ``Cache`` stand-in is passed
 wherever the model passes its cache (the arguments the trace recorded as
-``_Kind.CACHE``, whatever their name: ``past_key_values``, ``cache``,
+``Kind.CACHE``, whatever their name: ``past_key_values``, ``cache``,
 ``layer_past``, ...; so positions, rotary and learned position embeddings
 start at ``start``, and the mask builders make the bottom-right aligned causal
 or sliding-window mask of ``end - start`` query rows by ``end`` key columns),
@@ -48,10 +48,10 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .cache_role import _query_length
-from .chunkable import _chunk_refusal_message
+from .cache_role import query_length
+from .chunkable import chunk_refusal_message
 from .kv_buffer import KVBuffer
-from .tracing import _Arg, _Kind, _MaskRecipe, _Recipe, _Runtime
+from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime
 
 __all__ = [
     "ChunkKVState",
@@ -254,7 +254,7 @@ class _ChunkCache(Cache):
     def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         # All earlier keys are kept (also for sliding-window layers, whose
         # window the mask function applies), so keys always start at 0.
-        return self._start + _query_length(query), 0
+        return self._start + query_length(query), 0
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def seq_chunk(state: ChunkKVState, *, start: int, end: int, total: int | None = 
         _ACTIVE.reset(token)
 
 
-class _ChunkRuntime(_Runtime):
+class _ChunkRuntime(Runtime):
     """Resolves recipe arguments as transformers would with a cache of ``start`` tokens."""
 
     def __init__(self, active: _Active, *, block: str | None, sdpa: bool, **kwargs: Any) -> None:
@@ -304,7 +304,7 @@ class _ChunkRuntime(_Runtime):
                 f"chunk [{active.start}, {active.end}) needs inputs of {length} positions, got {reference.shape[1]}"
             )
 
-    def call(self, fn: Any, recipe: _Recipe) -> Any:
+    def call(self, fn: Any, recipe: Recipe) -> Any:
         # Nested calls rebuild masks and rotary embeddings; only the outermost
         # (the block itself) must have stored keys/values.
         before, self._depth = self._active.cache.updates, self._depth + 1
@@ -316,35 +316,35 @@ class _ChunkRuntime(_Runtime):
             raise ValueError(f"{self._block}: it ran without storing keys/values through its cache's update")
         return out
 
-    def _resolve(self, arg: _Arg) -> Any:
+    def _resolve(self, arg: Arg) -> Any:
         active = self._active
-        if arg.kind is _Kind.CACHE:
+        if arg.kind is Kind.CACHE:
             return active.cache
-        if arg.kind in (_Kind.POSITIONS, _Kind.CACHE_POSITIONS):
+        if arg.kind in (Kind.POSITIONS, Kind.CACHE_POSITIONS):
             reference = self._hidden if self._hidden is not None else self._input_ids
             assert reference is not None
             positions = torch.arange(active.start, active.end, device=reference.device)
-            return positions.unsqueeze(0) if arg.kind is _Kind.POSITIONS else positions
-        if arg.kind is _Kind.KEY_MASK and self._key_mask is not None:
+            return positions.unsqueeze(0) if arg.kind is Kind.POSITIONS else positions
+        if arg.kind is Kind.KEY_MASK and self._key_mask is not None:
             return active.state._prefix_key_mask(active.chunk, self._key_mask)
-        if arg.kind is _Kind.MASK and self._sdpa and _plain_causal(arg.value):
+        if arg.kind is Kind.MASK and self._sdpa and _plain_causal(arg.value):
             # HF would materialise a [batch, 1, queries, keys] mask, which SDPA saves for backward
             # in every layer: with long sequences more than the chunk's other activations.
             return self._once(arg.value, lambda: causal_lower_right(active.end - active.start, active.end))
         return super()._resolve(arg)
 
 
-def _plain_causal(mask: _MaskRecipe) -> bool:
+def _plain_causal(mask: MaskRecipe) -> bool:
     """Whether the builder makes nothing but the causal mask: no padding, no window, no extra mask functions."""
     if getattr(mask.builder, "__name__", "") != "create_causal_mask":
         return False
     args = (*mask.recipe.positional, *mask.recipe.keyword)
-    if any(arg.kind is _Kind.KEY_MASK for arg in args):
+    if any(arg.kind is Kind.KEY_MASK for arg in args):
         return False
     return all(arg.value is None for arg in args if arg.name in ("or_mask_function", "and_mask_function"))
 
 
-def _runtime(config: PretrainedConfig, block: _Recipe | None, *, stores_kv: bool = True, **kwargs: Any) -> _Runtime:
+def _runtime(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True, **kwargs: Any) -> Runtime:
     """The runtime for one layer forward: plain outside ``seq_chunk``, chunk-aware inside.
 
     ``block`` is the decoder block's recipe (None for the embedding layer),
@@ -352,10 +352,10 @@ def _runtime(config: PretrainedConfig, block: _Recipe | None, *, stores_kv: bool
     """
     active = _ACTIVE.get()
     if active is None:
-        return _Runtime(**kwargs)
+        return Runtime(**kwargs)
     # Normally refused at initialize already (ds_vshape.hf.seq_chunk_refusal); this
     # covers layers run by hand and configs changed after initialize.
-    refusal = _chunk_refusal_message(config, block, stores_kv=stores_kv)
+    refusal = chunk_refusal_message(config, block, stores_kv=stores_kv)
     if refusal is not None:
         raise ValueError(refusal)
     model_type = getattr(config, "model_type", type(config).__name__)

@@ -3,7 +3,7 @@
 Decoder blocks take the cache under many names (``past_key_values``,
 ``past_key_value``, ``cache``, ``layer_past``, ...), and the names change
 between transformers releases.  Instead of a list of names, the trace hands a
-``_TraceCache`` to the first forward that has a parameter typed as a
+``TraceCache`` to the first forward that has a parameter typed as a
 ``Cache`` (the LM's own, or its base model's where the LM's parameter is not
 typed so); every argument of a block or mask builder that then *is* that
 object is the model's cache, and each ``update`` through it shows which
@@ -22,19 +22,19 @@ import torch
 from transformers.cache_utils import Cache
 
 __all__ = [
-    "_TraceCache",
-    "_query_length",
+    "TraceCache",
+    "query_length",
     "_with_cache",
 ]
 
 
-def _query_length(query: int | torch.Tensor) -> int:
+def query_length(query: int | torch.Tensor) -> int:
     # Cache.get_mask_sizes gets the query length (transformers 5) or the
     # cache positions of the queries (4.5x).
     return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
 
 
-class _TraceCache(Cache):
+class TraceCache(Cache):
     """An empty KV cache that keeps nothing; calls ``on_update`` at every K/V update made through it."""
 
     def __init__(self, *, on_update: Callable[[], None]) -> None:
@@ -54,7 +54,7 @@ class _TraceCache(Cache):
         return 0
 
     def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
-        return _query_length(query), 0
+        return query_length(query), 0
 
 
 def _with_cache(

@@ -4,7 +4,7 @@
 run in chunks, or None: attention kernels not verified exact, layer types
 other than full and sliding-window attention, rotary variants that depend on
 the length seen so far, blocks not handed the model's KV cache (recorded as
-``_Kind.CACHE`` by the trace, whatever the argument's name) or not storing
+``Kind.CACHE`` by the trace, whatever the argument's name) or not storing
 keys/values through it.  Everything it reads is known before the first
 forward, so ``ds_vshape.initialize`` refuses on every rank (see
 ``layers.seq_chunk_refusal``); ``attention`` checks again per forward.
@@ -17,11 +17,11 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .tracing import _Kind, _Recipe
+from .tracing import Kind, Recipe
 
 __all__ = [
     "_chunk_refusal",
-    "_chunk_refusal_message",
+    "chunk_refusal_message",
 ]
 
 # Only these were verified exact; flash/flex kernels read position ids and
@@ -33,7 +33,7 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _chunk_refusal_message(config: PretrainedConfig, block: _Recipe | None, *, stores_kv: bool = True) -> str | None:
+def chunk_refusal_message(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True) -> str | None:
     """``model type '...' cannot run in sequence chunks: <reason>``, or None when it can."""
     reason = _chunk_refusal(config, block, stores_kv=stores_kv)
     if reason is None:
@@ -42,7 +42,7 @@ def _chunk_refusal_message(config: PretrainedConfig, block: _Recipe | None, *, s
     return f"model type {model_type!r} cannot run in sequence chunks: {reason}"
 
 
-def _chunk_refusal(config: PretrainedConfig, block: _Recipe | None, *, stores_kv: bool = True) -> str | None:
+def _chunk_refusal(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True) -> str | None:
     """Why this model (and this decoder block, if given) cannot be chunked exactly, or None."""
     text = config.get_text_config()
     implementation = getattr(text, "_attn_implementation", None)
@@ -58,7 +58,7 @@ def _chunk_refusal(config: PretrainedConfig, block: _Recipe | None, *, stores_kv
         return f"rotary type(s) {varying} change with the sequence length seen so far"
     if block is None:
         return None
-    if not any(arg.kind is _Kind.CACHE for arg in (*block.positional, *block.keyword)):
+    if not any(arg.kind is Kind.CACHE for arg in (*block.positional, *block.keyword)):
         return ("its decoder blocks are not handed the model's KV cache (no block argument is the cache its forward "
                 "passes on), so earlier chunks' keys/values cannot be fed in")
     if not stores_kv:

@@ -21,14 +21,14 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .analysis import _analyse, _Anatomy, _hidden_of, _is_ancestor
+from .analysis import analyse, Anatomy, hidden_of, is_ancestor
 from .attention import _runtime
-from .chunkable import _chunk_refusal_message
-from .logits import _LogitOps
+from .chunkable import chunk_refusal_message
+from .logits import LogitOps
 from .loss import causal_lm_loss
-from .semantics import _check_head_semantics, _hollow
-from .tracing import _Kind, _trace_model
-from .weights import _Checkpoint, _initialise, _load, _materialise, _parameters_on_meta, _stored_name_converter
+from .semantics import check_head_semantics, hollow
+from .tracing import Kind, trace_model
+from .weights import Checkpoint, initialise, _load, materialise, parameters_on_meta, stored_name_converter
 
 __all__ = [
     "HFDecoderBlock",
@@ -54,13 +54,13 @@ class _Plan:
     def __init__(
         self,
         lm: PreTrainedModel,
-        anatomy: _Anatomy,
+        anatomy: Anatomy,
         *,
-        checkpoint: _Checkpoint | None,
+        checkpoint: Checkpoint | None,
         skeleton: bool,
         dtype: torch.dtype | None,
         pad_token_id: int | None,
-        logit_ops: _LogitOps | None,
+        logit_ops: LogitOps | None,
     ) -> None:
         self.lm, self.anatomy, self.checkpoint = lm, anatomy, checkpoint
         self.skeleton, self.dtype, self.pad_token_id = skeleton, dtype, pad_token_id
@@ -74,19 +74,19 @@ class _Plan:
     def build(self, path: str, replacements: Mapping[str, nn.Module] | None = None) -> nn.Module:
         part = self.lm.get_submodule(path)
         if replacements:
-            part = _hollow(part, replacements)
+            part = hollow(part, replacements)
         if self.dry or not self.skeleton:
             return part
-        part = _materialise(copy.deepcopy(part), dtype=self.dtype)
+        part = materialise(copy.deepcopy(part), dtype=self.dtype)
         if self.checkpoint is not None:
             _load(part, path, self.checkpoint)
         else:
-            _initialise(part, self.lm)
+            initialise(part, self.lm)
         return part
 
     def rope_paths(self, index: int) -> list[str]:
         recipe = self.anatomy.block_recipes[index]
-        return sorted({arg.value.path for arg in recipe.keyword if arg.kind is _Kind.ROPE})
+        return sorted({arg.value.path for arg in recipe.keyword if arg.kind is Kind.ROPE})
 
 
 # ------------------------------------------------------------------------ layers
@@ -103,7 +103,7 @@ class HFEmbedding(nn.Module):
         super().__init__()
         anatomy = plan.anatomy
         hollowed: dict[str, nn.Module] = {anatomy.layers[len(anatomy.base) + 1 :]: nn.ModuleList()}
-        if anatomy.norm is not None and _is_ancestor(anatomy.base, anatomy.norm):
+        if anatomy.norm is not None and is_ancestor(anatomy.base, anatomy.norm):
             hollowed[anatomy.norm[len(anatomy.base) + 1 :]] = nn.Identity()
         self.body = plan.build(anatomy.base, hollowed)
         self.embedding_path = anatomy.embedding
@@ -146,7 +146,7 @@ class HFDecoderBlock(nn.Module):
             self._config, self._recipe, stores_kv=self._stores_kv, hidden=hidden, key_mask=key_mask, ropes=ropes
         )
         out = runtime.call(self.block, self._recipe)
-        return _hidden_of(out), key_mask
+        return hidden_of(out), key_mask
 
 
 class HFFinalNorm(nn.Module):
@@ -175,7 +175,7 @@ class HFLMHead(nn.Module):
         return _post_processed(self.head(self.norm(inputs[0])), self._logit_ops)
 
 
-def _post_processed(logits: torch.Tensor, ops: _LogitOps | None) -> torch.Tensor:
+def _post_processed(logits: torch.Tensor, ops: LogitOps | None) -> torch.Tensor:
     # E.g. Granite's logits_scaling or Gemma2's soft-capping, as the LM's own forward applies them.
     return logits if ops is None else ops(logits)
 
@@ -248,17 +248,17 @@ def seq_chunk_refusal(layers: Sequence[LayerSpec | nn.Module]) -> str | None:
 
 def _layer_refusal(layer: LayerSpec | nn.Module) -> str | None:
     if isinstance(layer, HFDecoderBlock):
-        return _chunk_refusal_message(layer._config, layer._recipe, stores_kv=layer._stores_kv)
+        return chunk_refusal_message(layer._config, layer._recipe, stores_kv=layer._stores_kv)
     if isinstance(layer, HFEmbedding):
-        return _chunk_refusal_message(layer._config, None)
+        return chunk_refusal_message(layer._config, None)
     if not isinstance(layer, LayerSpec) or not layer.module_args or not isinstance(layer.module_args[0], _Plan):
         return None
     plan = layer.module_args[0]
     if layer.typename is HFDecoderBlock:
         index = layer.module_args[1]
         recipe, stores_kv = plan.anatomy.block_recipes[index], plan.anatomy.stores_kv[index]
-        return _chunk_refusal_message(plan.lm.config, recipe, stores_kv=stores_kv)
-    return _chunk_refusal_message(plan.lm.config, None)
+        return chunk_refusal_message(plan.lm.config, recipe, stores_kv=stores_kv)
+    return chunk_refusal_message(plan.lm.config, None)
 
 
 def _parameter_count(layer: LayerSpec | nn.Module) -> int:
@@ -281,11 +281,11 @@ def _make_plan(
 ) -> _Plan:
     lm, checkpoint = _open(model, attn_implementation=attn_implementation, dtype=dtype)
     pad = getattr(lm.config, "pad_token_id", None) if mask_padding else None
-    trace = _trace_model(lm, with_padding=pad is not None)
-    anatomy = _analyse(lm, trace)
-    logit_ops = _check_head_semantics(lm, anatomy)
+    trace = trace_model(lm, with_padding=pad is not None)
+    anatomy = analyse(lm, trace)
+    logit_ops = check_head_semantics(lm, anatomy)
     if checkpoint is not None:
-        checkpoint = _Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix, rename=_stored_name_converter(lm))
+        checkpoint = Checkpoint(checkpoint, strip_prefix=lm.base_model_prefix, rename=stored_name_converter(lm))
     skeleton = not isinstance(model, PreTrainedModel)
     return _Plan(
         lm, anatomy, checkpoint=checkpoint, skeleton=skeleton, dtype=dtype, pad_token_id=pad, logit_ops=logit_ops
@@ -316,7 +316,7 @@ def _open(
 def _skeleton(config: PretrainedConfig, attn_implementation: str | None) -> PreTrainedModel:
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        with _parameters_on_meta():
+        with parameters_on_meta():
             return AutoModelForCausalLM.from_config(config, **extra)
     except (ValueError, KeyError) as error:
         raise ValueError(f"{type(config).__name__} has no causal-LM class in transformers: {error}") from error

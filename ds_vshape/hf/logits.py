@@ -3,10 +3,10 @@
 Some causal LMs change what their LM head computes before returning it: Granite
 divides by ``config.logits_scaling``, Gemma2 soft-caps with
 ``final_logit_softcapping``, Cohere multiplies by ``logit_scale``.  Rather than
-knowing those attributes, ``_LogitRecorder`` watches the LM's own forward run
+knowing those attributes, ``LogitRecorder`` watches the LM's own forward run
 around a stub head (``semantics`` builds that probe) under a
 ``TorchFunctionMode``: every torch call that takes the head's output, or a value
-computed from it, is recorded with its other arguments.  ``_LogitOps`` replays
+computed from it, is recorded with its other arguments.  ``LogitOps`` replays
 the calls that lead to the returned logits, the same functions with the same
 constants, so the pipeline's logits are the model's own to the last bit.  A call
 that combines the logits with another tensor is not replayable from the logits
@@ -24,8 +24,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "_LogitOps",
-    "_LogitRecorder",
+    "LogitOps",
+    "LogitRecorder",
 ]
 
 
@@ -43,7 +43,7 @@ class _Op:
     kwargs: tuple[tuple[str, Any], ...]
 
 
-class _LogitOps:
+class LogitOps:
     """The recorded chain from the LM head's output to the logits the LM returns; call it on logits."""
 
     def __init__(self, ops: tuple[_Op, ...]) -> None:
@@ -57,10 +57,10 @@ class _LogitOps:
         return values[-1]
 
     def __repr__(self) -> str:
-        return f"_LogitOps({', '.join(_name(op.func) for op in self._ops)})"
+        return f"LogitOps({', '.join(_name(op.func) for op in self._ops)})"
 
 
-class _LogitRecorder(TorchFunctionMode):
+class LogitRecorder(TorchFunctionMode):
     """Records, while active, every torch call on ``logits`` or on values computed from it."""
 
     def __init__(self, logits: torch.Tensor) -> None:
@@ -87,7 +87,7 @@ class _LogitRecorder(TorchFunctionMode):
             self._ops.append((op, len(self._values) - 1))
         return out
 
-    def chain(self, returned: torch.Tensor, *, what: str) -> _LogitOps | None:
+    def chain(self, returned: torch.Tensor, *, what: str) -> LogitOps | None:
         """The calls that made ``returned`` from the head's output; None when it *is* the head's output."""
         index = self._index.get(id(returned))
         if index is None:
@@ -99,7 +99,7 @@ class _LogitRecorder(TorchFunctionMode):
         needed = sorted(_ancestors(index, made))
         renumber = {old: new for new, old in enumerate([0, *needed])}
         ops = tuple(_renumbered(made[old], renumber) for old in needed)
-        return _LogitOps(ops)
+        return LogitOps(ops)
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):

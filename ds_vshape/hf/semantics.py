@@ -1,7 +1,7 @@
 """LM-level semantics: what the model's own causal-LM forward does to the logits, and which loss it uses.
 
-``_check_head_semantics`` runs the LM's forward with its base model and head
-replaced by stubs (via ``_hollow``, a shallow copy with some submodules
+``check_head_semantics`` runs the LM's forward with its base model and head
+replaced by stubs (via ``hollow``, a shallow copy with some submodules
 swapped, also used to build the embedding layer).  It records the LM's logit
 post-processing (scaling, soft-capping; see ``logits``) for the last pipeline
 layer to replay, checks that the replay is the model's on other logits and
@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .analysis import _Anatomy, _is_ancestor
-from .logits import _LogitOps, _LogitRecorder
+from .analysis import Anatomy, is_ancestor
+from .logits import LogitOps, LogitRecorder
 from .loss import IGNORE_INDEX, causal_lm_loss
 
 __all__ = [
-    "_check_head_semantics",
-    "_hollow",
+    "check_head_semantics",
+    "hollow",
 ]
 
 # ------------------------------------------------------------- LM-level semantics
@@ -65,7 +65,7 @@ class _StubHead(nn.Module):
         return self.logits
 
 
-def _check_head_semantics(lm: PreTrainedModel, anatomy: _Anatomy) -> _LogitOps | None:
+def check_head_semantics(lm: PreTrainedModel, anatomy: Anatomy) -> LogitOps | None:
     """Run the LM's own forward around stub body/head: what it does to the logits, and its loss.
 
     Returns the LM's logit post-processing to replay on the pipeline's logits (None when the
@@ -76,7 +76,7 @@ def _check_head_semantics(lm: PreTrainedModel, anatomy: _Anatomy) -> _LogitOps |
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, vocab, generator=generator)
     name = type(lm).__name__
-    recorder = _LogitRecorder(logits)
+    recorder = LogitRecorder(logits)
     with recorder:
         out = _run_probe(lm, anatomy, torch.zeros(2, 3, width), logits)
     ops = recorder.chain(out.logits, what=name)
@@ -92,7 +92,7 @@ def _check_head_semantics(lm: PreTrainedModel, anatomy: _Anatomy) -> _LogitOps |
 
 
 def _check_replay(
-    lm: PreTrainedModel, anatomy: _Anatomy, ops: _LogitOps, *, vocab: int, width: int, generator: torch.Generator
+    lm: PreTrainedModel, anatomy: Anatomy, ops: LogitOps, *, vocab: int, width: int, generator: torch.Generator
 ) -> None:
     """The recorded post-processing must be the model's on other logits too, and work position by position."""
     name = type(lm).__name__
@@ -110,14 +110,14 @@ def _check_replay(
 
 
 def _run_probe(
-    lm: PreTrainedModel, anatomy: _Anatomy, hidden: torch.Tensor, logits: torch.Tensor, *,
+    lm: PreTrainedModel, anatomy: Anatomy, hidden: torch.Tensor, logits: torch.Tensor, *,
     labels: torch.Tensor | None = None,
 ) -> Any:
     """The LM's forward with its base model returning ``hidden`` and its head returning ``logits``."""
     replacements: dict[str, nn.Module] = {anatomy.base: _StubBase(hidden), anatomy.head: _StubHead(logits)}
-    if anatomy.norm is not None and not _is_ancestor(anatomy.base, anatomy.norm):
+    if anatomy.norm is not None and not is_ancestor(anatomy.base, anatomy.norm):
         replacements[anatomy.norm] = nn.Identity()
-    probe = _hollow(lm, replacements)
+    probe = hollow(lm, replacements)
     input_ids = torch.zeros(hidden.shape[:2], dtype=torch.long)
     try:
         return probe(input_ids=input_ids, labels=labels, use_cache=False)
@@ -125,7 +125,7 @@ def _run_probe(
         raise ValueError(f"cannot check the LM head semantics of {type(lm).__name__}: {error!r}") from error
 
 
-def _hollow(root: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
+def hollow(root: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
     """Shallow copy of ``root`` with the given submodule paths replaced.
 
     Only the modules on the replaced paths are copied (their child dicts), so
@@ -143,5 +143,5 @@ def _hollow(root: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module
     for head, inner in nested.items():
         child = root._modules[head]
         assert child is not None
-        clone._modules[head] = _hollow(child, inner)
+        clone._modules[head] = hollow(child, inner)
     return clone

@@ -1,15 +1,15 @@
 """Run the model once on the ``meta`` device and record what it does; replay recorded calls.
 
-``_trace_model`` hooks every module and temporarily wraps the
+``trace_model`` hooks every module and temporarily wraps the
 ``transformers.masking_utils`` mask builders, then runs the model's own
-forward on meta tensors (no memory, no FLOPs): the ``_Trace`` holds the order
+forward on meta tensors (no memory, no FLOPs): the ``Trace`` holds the order
 in which modules started and ended, every module call with its arguments and
 output, and every mask-builder call.  The forward is handed an empty
-``_TraceCache`` (see ``cache_role``), so that the trace shows which arguments
+``TraceCache`` (see ``cache_role``), so that the trace shows which arguments
 carry the model's KV cache, under whatever name, and which blocks store
-keys/values through it.  A ``_Recipe`` says how to call a function
-again at run time, each argument tagged with a ``_Kind`` telling where its
-value comes from; ``_Runtime`` resolves those for one forward of one pipeline
+keys/values through it.  A ``Recipe`` says how to call a function
+again at run time, each argument tagged with a ``Kind`` telling where its
+value comes from; ``Runtime`` resolves those for one forward of one pipeline
 layer.  Everything here is internal to ``ds_vshape.hf``.
 """
 
@@ -28,19 +28,19 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .cache_role import _TraceCache, _with_cache
+from .cache_role import TraceCache, _with_cache
 
 __all__ = [
-    "_Arg",
-    "_Call",
-    "_Kind",
+    "Arg",
+    "Call",
+    "Kind",
     "_MaskCall",
-    "_MaskRecipe",
-    "_Recipe",
-    "_RopeRef",
-    "_Runtime",
-    "_Trace",
-    "_trace_model",
+    "MaskRecipe",
+    "Recipe",
+    "RopeRef",
+    "Runtime",
+    "Trace",
+    "trace_model",
 ]
 
 # Shape of the meta-device trace batch; any small sizes > 1 would do.
@@ -50,7 +50,7 @@ _TRACE_BATCH, _TRACE_SEQ = 2, 5
 # ----------------------------------------------------------------------- recipes
 
 
-class _Kind(enum.Enum):
+class Kind(enum.Enum):
     """Where the value of one recorded call argument comes from at run time."""
 
     CONST = "const"  # a non-tensor value, replayed as recorded
@@ -65,33 +65,33 @@ class _Kind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class _Arg:
+class Arg:
     name: str
-    kind: _Kind
+    kind: Kind
     value: Any = None
 
 
 @dataclass(frozen=True)
-class _Recipe:
+class Recipe:
     """How to call one function again: the first argument positionally, the rest by name."""
 
-    positional: tuple[_Arg, ...]
-    keyword: tuple[_Arg, ...]
+    positional: tuple[Arg, ...]
+    keyword: tuple[Arg, ...]
 
 
 @dataclass(frozen=True, eq=False)
-class _MaskRecipe:
+class MaskRecipe:
     builder: Callable[..., Any]
-    recipe: _Recipe
+    recipe: Recipe
 
 
 @dataclass(frozen=True, eq=False)
-class _RopeRef:
+class RopeRef:
     path: str
-    recipe: _Recipe
+    recipe: Recipe
 
 
-class _Runtime:
+class Runtime:
     """Resolves recipe arguments for one forward call of one pipeline layer."""
 
     def __init__(
@@ -106,41 +106,41 @@ class _Runtime:
         self._ropes = ropes or {}
         self._memo: dict[int, Any] = {}
 
-    def call(self, fn: Callable[..., Any], recipe: _Recipe) -> Any:
+    def call(self, fn: Callable[..., Any], recipe: Recipe) -> Any:
         args = [self._resolve(arg) for arg in recipe.positional]
         kwargs = {arg.name: self._resolve(arg) for arg in recipe.keyword}
         return fn(*args, **kwargs)
 
-    def _resolve(self, arg: _Arg) -> Any:
+    def _resolve(self, arg: Arg) -> Any:
         kind = arg.kind
-        if kind is _Kind.CONST:
+        if kind is Kind.CONST:
             return arg.value
-        if kind is _Kind.HIDDEN:
+        if kind is Kind.HIDDEN:
             return self._hidden
-        if kind is _Kind.INPUT_IDS:
+        if kind is Kind.INPUT_IDS:
             return self._input_ids
-        if kind is _Kind.KEY_MASK:
+        if kind is Kind.KEY_MASK:
             return self._key_mask
-        if kind is _Kind.POSITIONS:
+        if kind is Kind.POSITIONS:
             return self._positions().unsqueeze(0)
-        if kind is _Kind.CACHE_POSITIONS:
+        if kind is Kind.CACHE_POSITIONS:
             return self._positions()
-        if kind is _Kind.CACHE:
+        if kind is Kind.CACHE:
             return None
-        if kind is _Kind.ROPE:
-            ref: _RopeRef = arg.value
+        if kind is Kind.ROPE:
+            ref: RopeRef = arg.value
             return self._once(ref, lambda: self.call(self._ropes[ref.path], ref.recipe))
-        mask: _MaskRecipe = arg.value
+        mask: MaskRecipe = arg.value
         return self._once(mask, lambda: self._build_mask(mask))
 
-    def _build_mask(self, mask: _MaskRecipe) -> Any:
+    def _build_mask(self, mask: MaskRecipe) -> Any:
         # masking_utils builders read position_ids only to detect packed sequences, and that
         # check copies a device tensor's truth value to the host: on a GPU the host waits for
         # every kernel queued before it, in every block. Positions here are never packed (0..s-1,
         # or start..end inside a chunk, where the cache turns the check off), so the builder
         # finds no packing: without position_ids it builds the same mask, sync-free.
-        def resolve(arg: _Arg) -> Any:
-            return None if arg.kind is _Kind.POSITIONS else self._resolve(arg)
+        def resolve(arg: Arg) -> Any:
+            return None if arg.kind is Kind.POSITIONS else self._resolve(arg)
 
         args = [resolve(arg) for arg in mask.recipe.positional]
         kwargs = {arg.name: resolve(arg) for arg in mask.recipe.keyword}
@@ -164,7 +164,7 @@ class _Runtime:
 
 
 @dataclass
-class _Call:
+class Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any
@@ -178,26 +178,26 @@ class _MaskCall:
 
 
 @dataclass
-class _Trace:
+class Trace:
     events: list[tuple[str, str]] = field(default_factory=list)  # ("start"|"end", module path)
-    calls: dict[str, list[_Call]] = field(default_factory=dict)
+    calls: dict[str, list[Call]] = field(default_factory=dict)
     masks: list[_MaskCall] = field(default_factory=list)
     input_mask: torch.Tensor | None = None
-    offer_cache: bool = False  # hand a _TraceCache to the first forward with a Cache-typed parameter
-    cache: _TraceCache | None = None  # the cache handed to the model, once a forward took it
+    offer_cache: bool = False  # hand a TraceCache to the first forward with a Cache-typed parameter
+    cache: TraceCache | None = None  # the cache handed to the model, once a forward took it
     cache_updates: list[int] = field(default_factory=list)  # len(events) at each K/V update through it
 
     def index(self, kind: str, path: str) -> int:
         return self.events.index((kind, path))
 
 
-def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
+def trace_model(lm: PreTrainedModel, *, with_padding: bool) -> Trace:
     """Run ``lm`` once on meta tensors, recording module calls and mask builder calls.
 
-    The first attempt hands the model a ``_TraceCache``; a model that cannot
+    The first attempt hands the model a ``TraceCache``; a model that cannot
     run with one is traced without (it then cannot run in sequence chunks).
     """
-    box = [_Trace()]  # the hooks read the trace to fill from a box, so a retry can swap in a fresh one
+    box = [Trace()]  # the hooks read the trace to fill from a box, so a retry can swap in a fresh one
     handles = []
     for path, module in lm.named_modules():
         handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path)))
@@ -208,7 +208,7 @@ def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
         # Some kernels (e.g. grouped MoE matmuls) accept only bf16, even on
         # meta; the dtype does not change the structure we record.
         for with_cache, dtype in ((True, None), (True, torch.bfloat16), (False, None), (False, torch.bfloat16)):
-            box[0] = _Trace()
+            box[0] = Trace()
             try:
                 _run_on_meta(lm, box[0], with_padding=with_padding, dtype=dtype, with_cache=with_cache)
                 return box[0]
@@ -224,7 +224,7 @@ def _trace_model(lm: PreTrainedModel, *, with_padding: bool) -> _Trace:
 
 
 def _run_on_meta(
-    lm: PreTrainedModel, trace: _Trace, *, with_padding: bool, dtype: torch.dtype | None, with_cache: bool
+    lm: PreTrainedModel, trace: Trace, *, with_padding: bool, dtype: torch.dtype | None, with_cache: bool
 ) -> None:
     input_ids = torch.zeros(_TRACE_BATCH, _TRACE_SEQ, dtype=torch.long, device="meta")
     key_mask = torch.ones_like(input_ids) if with_padding else None
@@ -258,18 +258,18 @@ def _autocast_accepting_meta() -> Iterator[None]:
         torch.autocast, torch.is_autocast_enabled = real, real_enabled  # type: ignore[misc]
 
 
-def _on_start(box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+def _on_start(box: list[Trace], path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
     box[0].events.append(("start", path))
 
 
 def _hand_cache(
-    box: list[_Trace], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    box: list[Trace], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hand a ``_TraceCache`` to the first forward (outermost first) that has a ``Cache``-typed parameter."""
+    """Hand a ``TraceCache`` to the first forward (outermost first) that has a ``Cache``-typed parameter."""
     trace = box[0]
     if not trace.offer_cache or trace.cache is not None:
         return None
-    cache = _TraceCache(on_update=lambda: trace.cache_updates.append(len(trace.events)))
+    cache = TraceCache(on_update=lambda: trace.cache_updates.append(len(trace.events)))
     handed = _with_cache(module.forward, args, kwargs, cache)
     if handed is not None:
         trace.cache = cache
@@ -277,10 +277,10 @@ def _hand_cache(
 
 
 def _on_end(
-    box: list[_Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    box: list[Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> None:
     box[0].events.append(("end", path))
-    box[0].calls.setdefault(path, []).append(_Call(args, dict(kwargs), output))
+    box[0].calls.setdefault(path, []).append(Call(args, dict(kwargs), output))
 
 
 def _meta_state(lm: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Weights of one pipeline layer: read from a safetensors checkpoint, materialised or freshly initialised.
 
-``_Checkpoint`` reads only the requested tensors from a local ``*.safetensors``
+``Checkpoint`` reads only the requested tensors from a local ``*.safetensors``
 checkpoint (single or sharded; base-model-only checkpoints without the prefix
-work too).  ``_parameters_on_meta`` builds a model skeleton without parameter
-memory; ``_materialise``, ``_load`` and ``_initialise`` give one part of it real
+work too).  ``parameters_on_meta`` builds a model skeleton without parameter
+memory; ``materialise``, ``_load`` and ``initialise`` give one part of it real
 storage and its checkpoint or freshly initialised values.  Everything here is
 internal to ``ds_vshape.hf``.
 """
@@ -21,18 +21,18 @@ from torch import nn
 from transformers import PreTrainedModel
 
 __all__ = [
-    "_Checkpoint",
-    "_initialise",
+    "Checkpoint",
+    "initialise",
     "_load",
-    "_materialise",
-    "_parameters_on_meta",
-    "_stored_name_converter",
+    "materialise",
+    "parameters_on_meta",
+    "stored_name_converter",
 ]
 
 # ---------------------------------------------------------------------- weights
 
 
-class _Checkpoint:
+class Checkpoint:
     """Reads selected tensors from a local safetensors checkpoint (single file or sharded).
 
     ``rename`` maps a stored name to the model's (transformers 5 renames some on load,
@@ -82,7 +82,7 @@ class _Checkpoint:
         return None
 
 
-def _stored_name_converter(lm: PreTrainedModel) -> Callable[[str], str] | None:
+def stored_name_converter(lm: PreTrainedModel) -> Callable[[str], str] | None:
     """How transformers renames this model's stored weights on load, or None (4.5x: it does not)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -98,7 +98,7 @@ def _stored_name_converter(lm: PreTrainedModel) -> Callable[[str], str] | None:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Construct modules with parameters on ``meta`` but buffers real.
 
     Buffers (e.g. rotary ``inv_freq``, not stored in checkpoints) are thereby
@@ -118,7 +118,7 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _materialise(module: nn.Module, *, dtype: torch.dtype | None) -> nn.Module:
+def materialise(module: nn.Module, *, dtype: torch.dtype | None) -> nn.Module:
     """Give every meta parameter real (uninitialised) CPU storage; shared parameters stay shared."""
     fresh: dict[int, nn.Parameter] = {}
     for sub in module.modules():
@@ -133,14 +133,14 @@ def _materialise(module: nn.Module, *, dtype: torch.dtype | None) -> nn.Module:
     return module
 
 
-def _initialise(part: nn.Module, donor: PreTrainedModel) -> None:
+def initialise(part: nn.Module, donor: PreTrainedModel) -> None:
     """Apply the model's own weight init to a freshly materialised part (children before parents, as HF)."""
     with torch.no_grad():
         for sub in reversed(list(part.modules())):
             donor._init_weights(sub)
 
 
-def _load(part: nn.Module, prefix: str, checkpoint: _Checkpoint) -> None:
+def _load(part: nn.Module, prefix: str, checkpoint: Checkpoint) -> None:
     state = part.state_dict(keep_vars=True)
     keys = {f"{prefix}.{name}": tensor for name, tensor in state.items()}
     found = checkpoint.read(keys)

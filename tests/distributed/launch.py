@@ -62,15 +62,7 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TMPDIR=str(workdir))
-    env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the keyword turns it on
-    if mode:
-        env["DS_VSHAPE_NCCL_EMULATION"] = mode
-    for var, value in (("DS_VSHAPE_NCCL_FIRST_CONTACT", first_contact), ("DS_VSHAPE_NCCL_SYNCHRONIZE", synchronize),
-                       ("DS_VSHAPE_NCCL_ONE_QUEUE", one_queue)):
-        if value is not None:
-            env[var] = "1" if value else "0"
-    if env.get("DS_VSHAPE_NCCL_ONE_QUEUE") == "1" and mode:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # one hardware queue: what the runtime adapts to
+    emulation_env(env, mode, first_contact=first_contact, synchronize=synchronize, one_queue=one_queue)
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]
@@ -95,3 +87,23 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def emulation_env(env: dict[str, str], mode: str | None, *, first_contact: bool | None = None,
+                  synchronize: bool | None = None, one_queue: bool | None = None) -> dict[str, str]:
+    """Set ``env`` (the ranks' environment) for NCCL emulation ``mode`` (None: off) and its rules.
+
+    A rule given as None keeps what the environment says (``DS_VSHAPE_NCCL_*``, off when unset).
+    Under the one-queue rule the ranks also get ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as a
+    Megatron-DeepSpeed job sets it: that is what the runtime reads to adapt its transfer order.
+    """
+    env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the mode turns it on
+    if mode:
+        env["DS_VSHAPE_NCCL_EMULATION"] = mode
+    for var, value in (("DS_VSHAPE_NCCL_FIRST_CONTACT", first_contact), ("DS_VSHAPE_NCCL_SYNCHRONIZE", synchronize),
+                       ("DS_VSHAPE_NCCL_ONE_QUEUE", one_queue)):
+        if value is not None:
+            env[var] = "1" if value else "0"
+    if env.get("DS_VSHAPE_NCCL_ONE_QUEUE") == "1" and mode:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return env

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ROOT, default_mode, process_alive
+from .launch import ROOT, default_mode, emulation_env, process_alive
 
 pytestmark = pytest.mark.distributed
 
@@ -83,10 +83,9 @@ def _run(cases: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:
     (workdir / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TMPDIR=str(workdir), DS_VSHAPE_FAULT_HARD_LIMIT_S="60")
-    env.pop("DS_VSHAPE_NCCL_EMULATION", None)
-    mode = default_mode()  # as every launch: NCCL's eager rules unless DS_VSHAPE_TEST_NCCL says otherwise
-    if mode:
-        env["DS_VSHAPE_NCCL_EMULATION"] = mode
+    # As every launch: NCCL's eager rules unless DS_VSHAPE_TEST_NCCL says otherwise, and the stricter
+    # rules (first contact, synchronize, one queue) as the environment sets them.
+    emulation_env(env, default_mode())
     cmd = [sys.executable, "-m", "tests.distributed.fault_driver", str(workdir / "cases.json"), str(workdir), str(CONCURRENT)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)

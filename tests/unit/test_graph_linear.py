@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_vshape.runtime.split.graph_linear import SplitLinear
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
-from ds_vshape.runtime.split.split_ops import _MatmulWork
+from ds_vshape.runtime.split.split_ops import MatmulWork
 
 DIM = 8
 
@@ -128,7 +128,7 @@ def test_after_the_first_forward_the_graph_has_no_python_node_and_b_parks_gemm_w
     with store.deferring(7):
         out.square().sum().backward()
     works = store.parked_of(7)
-    assert [type(w) for w in works] == [_MatmulWork, _MatmulWork]  # fc2, then fc1: B's order
+    assert [type(w) for w in works] == [MatmulWork, MatmulWork]  # fc2, then fc1: B's order
     assert all(p.grad is None for n, p in block.named_parameters() if p.dim() == 2)  # weights wait for W
     assert block.norm.weight.grad is not None and block.fc1.bias.grad is not None  # cheap ones are B's
     store.run(7)

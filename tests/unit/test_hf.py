@@ -371,8 +371,8 @@ def test_encoder_decoder_config_is_rejected() -> None:
 
 
 POST_PROCESSING = {  # config that turns it off, and the calls recorded with it on
-    "granite": ({"logits_scaling": 1.0}, "_LogitOps(div)"),
-    "gemma2": ({"final_logit_softcapping": None}, "_LogitOps(div, tanh, mul)"),
+    "granite": ({"logits_scaling": 1.0}, "LogitOps(div)"),
+    "gemma2": ({"final_logit_softcapping": None}, "LogitOps(div, tanh, mul)"),
 }
 
 
@@ -439,9 +439,9 @@ def test_only_position_dependent_outputs_are_recomputed_per_block() -> None:
         def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x * 2, position_ids.float()
 
-    recipe = hf_tracing._Recipe(
-        (hf_tracing._Arg("x", hf_tracing._Kind.HIDDEN),),
-        (hf_tracing._Arg("position_ids", hf_tracing._Kind.POSITIONS),),
+    recipe = hf_tracing.Recipe(
+        (hf_tracing.Arg("x", hf_tracing.Kind.HIDDEN),),
+        (hf_tracing.Arg("position_ids", hf_tracing.Kind.POSITIONS),),
     )
     example = torch.empty(2, 5, 32, device="meta")
     with pytest.raises(ValueError, match="depends on hidden-state values"):

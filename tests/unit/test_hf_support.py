@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from ds_vshape import hf
 from ds_vshape.hf import cache_role
 from ds_vshape.hf import chunkable as hf_chunkable
-from ds_vshape.hf.tracing import _Kind, _Recipe
+from ds_vshape.hf.tracing import Kind, Recipe
 
 from test_hf import ARCHS, VOCAB, make_config, make_model  # tests/unit is on sys.path under pytest
 
@@ -26,8 +26,8 @@ def _plan(specs: list) -> object:
     return specs[0].module_args[0]
 
 
-def _cache_args(recipe: _Recipe) -> list[str]:
-    return [arg.name for arg in (*recipe.positional, *recipe.keyword) if arg.kind is _Kind.CACHE]
+def _cache_args(recipe: Recipe) -> list[str]:
+    return [arg.name for arg in (*recipe.positional, *recipe.keyword) if arg.kind is Kind.CACHE]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -80,7 +80,7 @@ def test_blocks_not_handed_or_not_using_the_cache_are_refused() -> None:
     model = _sdpa_llama()
     recipe = _plan(hf.pipeline_layers(model)[0]).anatomy.block_recipes[0]
     assert hf_chunkable._chunk_refusal(model.config, recipe) is None
-    without = _Recipe(recipe.positional, tuple(arg for arg in recipe.keyword if arg.kind is not _Kind.CACHE))
+    without = Recipe(recipe.positional, tuple(arg for arg in recipe.keyword if arg.kind is not Kind.CACHE))
     assert "not handed the model's KV cache" in (hf_chunkable._chunk_refusal(model.config, without) or "")
     unused = hf_chunkable._chunk_refusal(model.config, recipe, stores_kv=False)
     assert "stores no keys/values through its update" in (unused or "")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .split_backward import SplitBackwardWarning, WeightGradStore
-from .split_ops import _GenericWork, _MatmulWork
+from .split_ops import GenericWork, MatmulWork
 
 __all__ = ["Group", "WFit", "choose", "group_works"]
 
@@ -114,15 +114,15 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _targets(work: Any) -> list[torch.Tensor]:
-    if isinstance(work, _MatmulWork):
+    if isinstance(work, MatmulWork):
         return [t for t in (work.weight, work.bias) if t is not None]
-    if isinstance(work, _GenericWork):
+    if isinstance(work, GenericWork):
         return list(work.targets)
     return []
 
 
 def _cost(work: Any) -> float:
-    if isinstance(work, _MatmulWork) and work.x is not None:
+    if isinstance(work, MatmulWork) and work.x is not None:
         return float(work.x.numel()) * work.grad_out.shape[-1]
     return float(sum(t.numel() for t in work.held))
 

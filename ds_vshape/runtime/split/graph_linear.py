@@ -11,7 +11,7 @@ host time that every pass a schedule adds pays again. For the common module, a p
 * What W needs of the forward, the GEMM's input, is kept as autograd would keep it: handed
   to the saved-tensor hooks active at the time (the activation meter, activation offload,
   a non-reentrant checkpoint), unpacked when B reaches the node.
-* B's pre-hook parks the input and the output gradient as the same ``_MatmulWork`` the
+* B's pre-hook parks the input and the output gradient as the same ``MatmulWork`` the
   routed path parks, so W, the ``w_memory`` fit and the offload of W's kept tensors see no
   difference.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .split_mode import RoutingStore, routing
-from .split_ops import _MatmulWork
+from .split_ops import MatmulWork
 
 __all__ = ["GRAPH", "GRAPH_BIAS", "GraphLinearStore", "PLAIN", "Plan", "ROUTED", "SplitLinear", "take_over"]
 
@@ -58,7 +58,7 @@ class GraphLinearStore(RoutingStore, Protocol):
 
     def enter_module(self, delta: int) -> None: ...
 
-    def capture(self, key: Hashable, work: _MatmulWork) -> None: ...
+    def capture(self, key: Hashable, work: MatmulWork) -> None: ...
 
     def owner_of(self, param: torch.Tensor) -> str: ...
 
@@ -159,5 +159,5 @@ class _Capture:
                 "after its forward, but its weight gradient needs it as the forward saw it: clone the tensor before "
                 "modifying it in place (as autograd itself would demand of a saved tensor)")
         x = x.detach() if x.requires_grad else x  # a checkpoint's recomputed tensor may carry a graph
-        self.store.capture(self.key, _MatmulWork("linear", x, grad, self.weight, self.bias))
+        self.store.capture(self.key, MatmulWork("linear", x, grad, self.weight, self.bias))
         return None

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["OpStore", "ParkedWork", "OpCall", "MatmulCall", "accumulate", "split_matmul", "deferred_op"]
+__all__ = ["accumulate", "deferred_op", "GenericWork", "MatmulCall", "MatmulWork", "OpCall", "OpStore",
+    "ParkedWork", "split_matmul"]
 
 
 class ParkedWork(Protocol):
@@ -99,7 +100,7 @@ class MatmulCall:
 
 
 @dataclass
-class _MatmulWork:
+class MatmulWork:
     kind: str
     x: torch.Tensor | None
     grad_out: torch.Tensor
@@ -157,7 +158,7 @@ class _SplitMatmul(_Internal, torch.autograd.Function):
         if call.store.is_deferring(call.key):
             bias_in_w = need_b and not call.bias_in_b
             if need_w or bias_in_w:
-                call.store.park(call.key, _MatmulWork(call.kind, x.detach() if need_w else None, grad_out.detach(),
+                call.store.park(call.key, MatmulWork(call.kind, x.detach() if need_w else None, grad_out.detach(),
                                                       weight if need_w else None, ctx.bias if bias_in_w else None))
             _, grad_b = _weight_grads(call.kind, None, grad_out, want_w=False, want_b=need_b and call.bias_in_b)
             return None, grad_x, None, grad_b
@@ -201,7 +202,7 @@ class OpCall:
 
 
 @dataclass
-class _GenericWork:
+class GenericWork:
     roots: list[GradientEdge]
     grads: list[torch.Tensor]
     leaves: list[torch.Tensor]  # detached leaves standing for the parameters in the re-run graph
@@ -253,7 +254,7 @@ class _DeferredOp(_Internal, torch.autograd.Function):
                 result[i] = g
         if in_w:
             edges = [get_gradient_edge(o) for o in roots]  # keeps the nodes, not the outputs' memory
-            call.store.park(call.key, _GenericWork(edges, [g.detach() for g in root_grads], [leaves[i] for i in in_w],
+            call.store.park(call.key, GenericWork(edges, [g.detach() for g in root_grads], [leaves[i] for i in in_w],
                                                    [tensors[i] for i in in_w], tuple(held) + tuple(root_grads)))
         return (None, *result)
 
