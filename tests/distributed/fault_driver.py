@@ -63,12 +63,27 @@ def _rank_main(case: dict[str, Any], rank: int, port: int, case_dir: str) -> Non
     os._exit(code)  # past this point the process is the driver's copy: never return into it
 
 
-def _start(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    from .launch import free_port
+def _case_port() -> int:
+    """A port for a case's rendezvous, below Linux's ephemeral range (32768 and up): the other cases'
+    gloo connections take their local ports from that range and could take a port picked there
+    between its pick and rank 0's bind (EADDRINUSE)."""
+    import random
+    import socket
 
+    while True:
+        port = random.randint(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def _start(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
     case_dir = os.path.join(out_dir, case["name"])
     os.makedirs(case_dir, exist_ok=True)
-    port = free_port()
+    port = _case_port()
     pids = {}
     for rank in range(case["world"]):
         pid = os.fork()
@@ -104,6 +119,11 @@ def _finish(run: dict[str, Any]) -> dict[str, Any]:
     with open(os.path.join(run["dir"], "result.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     return result
+
+
+def _port_taken(result: dict[str, Any]) -> bool:
+    """The case never started: its rendezvous port was taken before rank 0 could listen on it."""
+    return result["killed"] is None and any("EADDRINUSE" in (r.get("error") or "") for r in result["ranks"].values())
 
 
 def _end(pid: int) -> None:
@@ -162,7 +182,11 @@ def main() -> None:
             running.append(_start(pending.pop(0), out_dir))
         for run in _poll(running, hard_limit_s=float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "120"))):
             running.remove(run)
-            results[run["case"]["name"]] = _finish(run)
+            result = _finish(run)
+            if _port_taken(result) and run["case"].get("attempt", 0) < 2:  # the rendezvous lost its port: again
+                pending.insert(0, {**run["case"], "attempt": run["case"].get("attempt", 0) + 1})
+                continue
+            results[run["case"]["name"]] = result
         time.sleep(_POLL_S)
     time.sleep(0.2)
     _reap_orphans()
