@@ -16,7 +16,7 @@ sequences. Four ways of running one micro-batch, the same weights:
   ``stage_backward_input``, W ``stage_backward_weight``;
 * ``ds_vshape``: the forward routed for split backward, B deferring, W ``WeightGradStore.run``.
 
-The ways take turns rep by rep (the order rotating) with the garbage collector off; each pass's
+The ways take turns rep by rep, in a fresh random order each rep, the garbage collector off; each pass's
 median over the reps. Ratios are against ``fused`` F+B (whole micro-batch) and ``forward`` (F).
 
 On a CUDA device (``--device cuda --dtype bf16``, with ``--hidden/--ffn/--heads/--kv-heads`` for
@@ -35,6 +35,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
+import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -192,9 +193,11 @@ def measure(stage: Stage, *, reps: int, warmup: int) -> dict[str, dict[str, floa
     gc.collect()
     gc.disable()
     try:
+        order = random.Random(SEED)
         for rep in range(warmup + reps):
-            for i in range(len(WAYS)):
-                way = WAYS[(rep + i) % len(WAYS)]
+            # A fresh order each rep: a rotation keeps each way behind the same other way (the cyclic
+            # order stays), and a pass that follows another on the same modules runs on warm caches.
+            for way in order.sample(WAYS, len(WAYS)):
                 times = run_way(stage, way)
                 for m in stage.modules[way]:
                     m.zero_grad(set_to_none=True)

@@ -11,13 +11,15 @@ error ends it with a traceback on its stderr (``OUT/CASE/rank{r}.err``) and exit
 The driver waits for every rank of a case (``os.waitpid``) and writes ``OUT/CASE/result.json``:
 each rank's exit status, the time it ended and its last error line, and the killed rank's
 record (``killed{r}.json``: the time of its SIGKILL). A rank still running ``hard_limit_s``
-after its case started is recorded as ``left_running`` and then killed, so a hang fails the
-test instead of the suite. The dead rank's socket holder is ended after the survivors.
+after its case started is recorded as ``left_running``, writes every thread's stack to its
+``.err`` (SIGUSR1) and is then killed, so a hang fails the test instead of the suite and shows
+where it waited. The dead rank's socket holder is ended after the survivors.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -26,6 +28,8 @@ import tempfile
 import time
 import traceback
 from typing import Any
+
+from .launch import emulation_env
 
 __all__ = ["main"]
 
@@ -45,6 +49,7 @@ def _rank_main(case: dict[str, Any], rank: int, port: int, case_dir: str) -> Non
     err = os.open(os.path.join(case_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 1)
     os.dup2(err, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for every stack before it ends a hang
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case["world"]), LOCAL_WORLD_SIZE=str(case["world"]),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = 0
@@ -53,6 +58,7 @@ def _rank_main(case: dict[str, Any], rank: int, port: int, case_dir: str) -> Non
 
         from .fault_checks import run_fault_rank
 
+        _case_rules(case)
         deepspeed.init_distributed(dist_backend="gloo")
         run_fault_rank(case, case_dir)
     except BaseException:  # what a user's script prints before it exits non-zero
@@ -61,6 +67,21 @@ def _rank_main(case: dict[str, Any], rank: int, port: int, case_dir: str) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # past this point the process is the driver's copy: never return into it
+
+
+def _case_rules(case: dict[str, Any]) -> None:
+    """A case's own NCCL emulation rules (``case["nccl"]``: mode and rule switches), set in its
+    rank before the process group exists; cases without keep what the driver installed."""
+    rules = case.get("nccl")
+    if not rules:
+        return
+    from tests.distributed import nccl_emulation
+
+    env = emulation_env(dict(os.environ), rules["mode"], first_contact=rules.get("first_contact"),
+                               synchronize=rules.get("synchronize"), one_queue=rules.get("one_queue"))
+    os.environ.update(env)
+    nccl_emulation.install(mode=rules["mode"], first_contact=bool(rules.get("first_contact")),
+                           synchronize=bool(rules.get("synchronize")), one_queue=bool(rules.get("one_queue")))
 
 
 def _case_port() -> int:
@@ -153,6 +174,9 @@ def _poll(running: list[dict[str, Any]], hard_limit_s: float) -> list[dict[str, 
                 _record(run, pid, status, time.time())
         if run["pids"] and time.time() - run["started"] > hard_limit_s:
             run["left_running"] = sorted(run["pids"].values())
+            for pid in run["pids"]:  # each hung rank writes its threads' stacks to its .err first
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
             for pid in list(run["pids"]):
                 _end(pid)
                 _record(run, pid, os.waitpid(pid, 0)[1], time.time())

@@ -68,11 +68,25 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
         del env["DS_ACCELERATOR"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            str(WORKER), str(cases_file), str(workdir)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # A rank still running shortly before the timeout prints every thread's stack (worker.py),
+    # so that a hang names where each rank waits.
+    env.setdefault("DS_VSHAPE_TEST_DUMP_AFTER_S", str(max(timeout - 20, 10)))
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        log = _text(err.stdout) + _text(err.stderr)
+        (workdir / "log.txt").write_text(log)
+        done = [r for r in range(nproc) if (workdir / f"rank{r}.json").exists()]
+        raise RuntimeError(f"torchrun timed out after {timeout} s; ranks that wrote their results: {done}; "
+                           f"full log in {workdir / 'log.txt'}; its tail:\n{log[-12000:]}") from None
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
 def by_case(per_rank: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

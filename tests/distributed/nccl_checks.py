@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -29,7 +30,7 @@ from ds_vshape.schedules.first_contact import warm_up_peers
 from tests.distributed import nccl_emulation
 from tests.distributed.worker import _build, _config, _data, _param_diff, _reference
 
-__all__ = ["FIRST_CALL_S", "HELD", "run_nccl_selfcheck", "run_stock_control"]
+__all__ = ["FIRST_CALL_S", "GROUP_TIMEOUT_S", "HELD", "run_nccl_selfcheck", "run_stock_control"]
 
 BIG = 1 << 22  # 16 MiB of float32: far past any eager-send threshold
 WAIT_S = 20.0  # for ops that must complete
@@ -189,6 +190,25 @@ def _collective_behind(me: int, groups: Callable[[list[int]], Any], *, batched: 
     return result
 
 
+GROUP_TIMEOUT_S = 1.0  # the group's own timeout in the collective-timeout check (below the emulation's)
+
+
+def _collective_times_out_with_its_group(me: int, groups: Callable[[list[int]], Any], *, batched: bool) -> dict[str, Any] | None:
+    """(f') As (f), the all-reduce blocking, on a group whose timeout is shorter than the
+    emulation's: it times out after the group's timeout as it stood at issue, as NCCL's watchdog
+    times a collective from its issue with its group's timeout (a step's bounded timeout)."""
+    trio = groups([0, 1, 2])
+    if me == 3:
+        return None
+    trio._get_backend(torch.device("cpu"))._set_default_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
+    recv = _post("recv", torch.zeros(2), 1, trio, batched=batched) if me == 0 else None
+    try:
+        dist.all_reduce(torch.ones(2), group=trio)
+        return {"error": None, "held": recv is not None}
+    except RuntimeError as err:
+        return {"error": str(err)}
+
+
 def _first_call_blocks(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
     """(g) Rank 0's first call with rank 1 on a fresh group returns only once rank 1 made its own
     (rank 1 calls FIRST_CALL_S after rank 0); its second call, the pair connected, returns at once."""
@@ -326,6 +346,8 @@ def _run_wedging(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict
     if mode == "lazy":
         checks["header"] = functools.partial(_header_meets, me, groups, wait_s=DEADLOCK_S)
     checks["collective"] = functools.partial(_collective_behind, me, groups, batched=mode == "lazy", expect_held=True)
+    checks["collective-group-timeout"] = functools.partial(_collective_times_out_with_its_group, me, groups,
+                                                           batched=mode == "lazy")
     checks["cycle"] = functools.partial(_under_first_contact, mode, DEADLOCK_S, lambda: _cycle_of_first_receives(
         me, groups, warm_up=False, wait_s=DEADLOCK_S))
     return _run(checks)

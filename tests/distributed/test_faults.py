@@ -12,7 +12,10 @@ kill, its last error naming its pipeline and global rank, the step, and the tran
 collective it was waiting for; no rank may be left running.
 
 Four more cases under PP2xDP2 and v-zb: ZeRO-1 (B, step) and post-validation speculating (F,
-step; a death in the optimistic step 2 is found in step 3, whose error names it).
+step; a death in the optimistic step 2 is found in step 3, whose error names it). Four
+cases run again under every NCCL rule (lazy init, first contact, synchronize, one queue per
+rank: ``-all-rules``), whatever the launch's rules: there a collective queues behind a send to
+the dead rank, and post-validation's check, issued in one step, is waited for in the next.
 
 All cases share one driver process (imports once) and run ``CONCURRENT`` at a time: most of a
 case is its survivors' wait, so running them side by side keeps the suite's added time small.
@@ -31,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ROOT, default_mode, emulation_env, process_alive
+from .launch import ALL_RULES, ROOT, default_mode, emulation_env, process_alive
 
 pytestmark = pytest.mark.distributed
 
@@ -75,7 +78,16 @@ def _extra_cases() -> list[dict[str, Any]]:
     ]
 
 
-CASES = _extra_cases() + _cases()  # ZeRO's slow start first, under the others' waits
+def _strict_cases() -> list[dict[str, Any]]:
+    """Cases under every NCCL rule (lazy init, first contact, synchronize, one queue per rank), where
+    a collective queues behind a transfer to the dead rank and a check issued in one step is
+    waited for in the next: each survivor still fails within the timeout."""
+    rules = {"mode": "lazy", **ALL_RULES}
+    picked = {"p4-zb-h2-W", "p4-v-zb-send", "pp2xdp2-zero1-v-zb-step", "pp2xdp2-post-validation-v-zb-step"}
+    return [dict(c, name=f"{c['name']}-all-rules", nccl=rules) for c in _extra_cases() + _cases() if c["name"] in picked]
+
+
+CASES = _extra_cases() + _cases() + _strict_cases()  # ZeRO's slow start first, under the others' waits
 
 
 def _run(cases: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ds_vshape.schedules.first_contact import contact_pairs, warm_up_peers
 from ds_vshape.schedules.lowering import programs
 
 from .launch import by_case, launch
-from .nccl_checks import FIRST_CALL_S, HELD
+from .nccl_checks import FIRST_CALL_S, GROUP_TIMEOUT_S, HELD
 from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _min_m, _parity_cases,
                           test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
 
@@ -286,6 +286,17 @@ def test_a_collective_queues_behind_a_receive_on_its_communicator(emulation: dic
         got = _check(emulation, rank, f"{mode}-wedged", "collective")
         assert got["control"] == [3.0, 3.0], got  # the three ranks can all-reduce
         _timed_out(got["error"], "all_reduce")
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_queued_collective_times_out_with_its_groups_timeout_at_issue(emulation: dict, mode: str) -> None:
+    # Held behind rank 0's receive, its blocking all-reduce fails after the group's
+    # timeout (GROUP_TIMEOUT_S), not the emulation's longer one: a step's bounded timeout holds
+    # for a collective that queues behind a transfer to a dead rank.
+    held = _check(emulation, 0, f"{mode}-wedged", "collective-group-timeout")
+    _timed_out(held["error"], "all_reduce", f"after {GROUP_TIMEOUT_S:g} s")
+    for rank in (1, 2):  # their all-reduce ran, without rank 0: gloo's or the emulation's timeout, whichever first
+        assert _check(emulation, rank, f"{mode}-wedged", "collective-group-timeout")["error"] is not None
 
 
 def test_a_lazy_unbatched_receive_does_not_hold_back_the_groups_collective(emulation: dict) -> None:

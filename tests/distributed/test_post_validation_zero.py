@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 from .test_post_validation import check_fp32_rank
 
 pytestmark = pytest.mark.distributed
@@ -69,10 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
 
 @pytest.fixture(scope="module")
 def lazy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    # Lazy init only: under all three stricter rules this launch's rank 0 hung twice after the other
-    # ranks had finished (loaded machine, issue 29's note); the rules run in test_zero's and
-    # test_post_validation's launches meanwhile.
-    return by_case(launch(_lazy_cases(), 4, tmp_path_factory.mktemp("pvz-lazy"), nccl="lazy"))
+    return by_case(launch(_lazy_cases(), 4, tmp_path_factory.mktemp("pvz-lazy"), nccl="lazy", **ALL_RULES))
 
 
 def _ok(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ pytest side asserts on them, so a failure names the case and the rank.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import sys
@@ -515,6 +516,8 @@ def _by_layer(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    if os.environ.get("DS_VSHAPE_TEST_DUMP_AFTER_S"):  # a hang shows every thread's stack before launch gives up
+        faulthandler.dump_traceback_later(float(os.environ["DS_VSHAPE_TEST_DUMP_AFTER_S"]), exit=False)
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
     if os.environ.get("DS_VSHAPE_NCCL_EMULATION"):

@@ -41,11 +41,13 @@ of this rank's shards).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -227,7 +229,8 @@ class PostValidator:
         # train_batch returns agg_train_loss. On the last stage it is known now; elsewhere it
         # arrives with the all-reduce, and the first use of the returned tensor waits for it.
         if losses is None:
-            losses = PendingValue(stats[_DP_LOSS], work.wait), PendingValue(stats[_AGG_LOSS], work.wait)
+            wait = functools.partial(_wait, work, timeout_s=float(engine._p2p.timeout_s))
+            losses = PendingValue(stats[_DP_LOSS], wait), PendingValue(stats[_AGG_LOSS], wait)
         engine.dp_group_loss, engine.agg_train_loss = losses
 
     def settle(self, engine: Any) -> Verdict | None:
@@ -264,7 +267,7 @@ class PostValidator:
         self.rerun_steps += 1
 
     def _check(self, pending: _Pending, engine: Any) -> Verdict:
-        pending.work.wait()
+        _wait(pending.work, timeout_s=float(engine._p2p.timeout_s))
         norm_sq = float(pending.stats[_NORM_SQ])
         verdict = decide(norm_sq=norm_sq, nonfinite=not math.isfinite(norm_sq),
                          clip=float(engine.gradient_clipping() or 0.0), loss_scale=pending.loss_scale,
@@ -303,6 +306,16 @@ class _Pending:
     @property
     def may_redo(self) -> bool:
         return self.snapshot is not None
+
+
+def _wait(work: Any, *, timeout_s: float) -> None:
+    """Wait for the check's all-reduce, bounded by the step's transfer timeout.
+
+    It is issued in one step and often waited for in the next, outside the window in which
+    ``bounded_step`` shortens the groups' timeouts; a wait without a timeout would then hang
+    on a dead peer for the process group's (30 minutes, or forever on NCCL)."""
+    if work.wait(timeout=timedelta(seconds=timeout_s)) is False:
+        raise RuntimeError(f"post-validation's all-reduce timed out after {timeout_s:g} s")
 
 
 def _skips_nonfinite(engine: Any) -> bool:

@@ -43,7 +43,9 @@ Data travels over gloo on the default group with global ranks, on three reserved
 communicator. The host blocks in ``Work.wait()`` (and in blocking calls, collectives without
 ``async_op`` included), which raises ``RuntimeError`` ("... timed out ...", naming the op, its
 peers, the communicator and the mode) after its timeout: the argument, else ``install``'s,
-else env ``DS_VSHAPE_NCCL_TIMEOUT_S``, else 60 s. An error inside an entry is raised by
+else env ``DS_VSHAPE_NCCL_TIMEOUT_S``, else 60 s; for a collective, its group's timeout as it
+stood at issue where that is shorter (NCCL's watchdog times a collective from its issue, with
+the timeout its group had then, however long it queued). An error inside an entry is raised by
 ``wait()``. After a timeout the communicator is wedged, as under NCCL: later entries never run.
 Not emulated: self send/recv, ops inside torch's ``_coalescing_manager`` (left to gloo).
 """

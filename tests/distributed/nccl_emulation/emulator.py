@@ -7,6 +7,7 @@ import inspect
 import itertools
 import os
 import threading
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -70,11 +71,13 @@ class _Emulator:
             comm = self._comms[key] = Communicator(key)
         return comm
 
-    def _enqueue(self, key: CommKey, label: str, run: Callable[[Communicator], Any]) -> EmulatedWork:
+    def _enqueue(self, key: CommKey, label: str, run: Callable[[Communicator], Any], *,
+                 timeout_s: float | None = None) -> EmulatedWork:
         with self._issue_lock:
             comm = self._communicator(key)
             where = f"{key}, on rank {dist.get_rank()}'s one queue" if self.one_queue else str(key)
-            work = EmulatedWork(f"{label} #{next(self._count)}", where, lambda: self.timeout_s, self.mode)
+            default = (lambda: self.timeout_s) if timeout_s is None else (lambda: timeout_s)
+            work = EmulatedWork(f"{label} #{next(self._count)}", where, default, self.mode)
             self._lane(comm).put(functools.partial(run, comm), work)
             self._issued = [w for w in self._issued if not w.is_completed()] + [work]
         return work
@@ -125,8 +128,15 @@ class _Emulator:
             )
 
     def collective(self, name: str, group: Any, call: Callable[[], Any]) -> EmulatedWork:
-        """One entry on the group's communicator: the real gloo collective, run from its thread."""
-        return self._enqueue(CommKey(group.group_name), f"{name} on rank {dist.get_rank()}", lambda comm: call())
+        """One entry on the group's communicator: the real gloo collective, run from its thread.
+
+        Its wait times out after the group's timeout as it stands at issue (at most the
+        emulation's): NCCL's watchdog times a collective from its issue with the timeout its
+        group had then, however long it queued behind others. The gloo call itself runs later,
+        with whatever the group's timeout is by then."""
+        timeout_s = min(self.timeout_s, _group_timeout_s(group) or self.timeout_s)
+        return self._enqueue(CommKey(group.group_name), f"{name} on rank {dist.get_rank()}", lambda comm: call(),
+                             timeout_s=timeout_s)
 
     def unfinished(self) -> int:
         with self._issue_lock:
@@ -135,6 +145,15 @@ class _Emulator:
 
 
 _EMU: _Emulator | None = None
+
+
+def _group_timeout_s(group: Any) -> float | None:
+    """The timeout the group's gloo backend has now (None where it cannot be read)."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else None
 
 
 def _passthrough(group: Any) -> bool:
