@@ -30,7 +30,6 @@ from .tracing import Arg, Call, Kind, MaskRecipe, Recipe, RopeRef, Runtime, Trac
 __all__ = [
     "Anatomy",
     "analyse",
-    "_check_position_only",
     "hidden_of",
     "is_ancestor",
 ]

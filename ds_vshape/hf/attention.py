@@ -55,9 +55,9 @@ from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime
 
 __all__ = [
     "ChunkKVState",
+    "block_runtime",
     "seq_chunk",
 ]
-
 
 
 @dataclass
@@ -344,7 +344,7 @@ def _plain_causal(mask: MaskRecipe) -> bool:
     return all(arg.value is None for arg in args if arg.name in ("or_mask_function", "and_mask_function"))
 
 
-def _runtime(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True, **kwargs: Any) -> Runtime:
+def block_runtime(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True, **kwargs: Any) -> Runtime:
     """The runtime for one layer forward: plain outside ``seq_chunk``, chunk-aware inside.
 
     ``block`` is the decoder block's recipe (None for the embedding layer),

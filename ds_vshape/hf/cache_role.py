@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 __all__ = [
     "TraceCache",
     "query_length",
-    "_with_cache",
+    "call_with_cache",
 ]
 
 
@@ -57,7 +57,7 @@ class TraceCache(Cache):
         return query_length(query), 0
 
 
-def _with_cache(
+def call_with_cache(
     forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cache: Cache
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """``(args, kwargs)`` of a call of ``forward`` with ``cache`` in its one ``Cache``-typed parameter.

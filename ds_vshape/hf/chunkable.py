@@ -1,6 +1,6 @@
 """Whether a model can run in sequence chunks exactly: the checks, from its config and traced blocks.
 
-``_chunk_refusal`` says why a model (and one of its decoder blocks) cannot
+``chunk_refusal`` says why a model (and one of its decoder blocks) cannot
 run in chunks, or None: attention kernels not verified exact, layer types
 other than full and sliding-window attention, rotary variants that depend on
 the length seen so far, blocks not handed the model's KV cache (recorded as
@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from .tracing import Kind, Recipe
 
 __all__ = [
-    "_chunk_refusal",
+    "chunk_refusal",
     "chunk_refusal_message",
 ]
 
@@ -35,14 +35,14 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def chunk_refusal_message(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True) -> str | None:
     """``model type '...' cannot run in sequence chunks: <reason>``, or None when it can."""
-    reason = _chunk_refusal(config, block, stores_kv=stores_kv)
+    reason = chunk_refusal(config, block, stores_kv=stores_kv)
     if reason is None:
         return None
     model_type = getattr(config, "model_type", type(config).__name__)
     return f"model type {model_type!r} cannot run in sequence chunks: {reason}"
 
 
-def _chunk_refusal(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True) -> str | None:
+def chunk_refusal(config: PretrainedConfig, block: Recipe | None, *, stores_kv: bool = True) -> str | None:
     """Why this model (and this decoder block, if given) cannot be chunked exactly, or None."""
     text = config.get_text_config()
     implementation = getattr(text, "_attn_implementation", None)

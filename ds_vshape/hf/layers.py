@@ -22,13 +22,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .analysis import analyse, Anatomy, hidden_of, is_ancestor
-from .attention import _runtime
+from .attention import block_runtime
 from .chunkable import chunk_refusal_message
 from .logits import LogitOps
 from .loss import causal_lm_loss
 from .semantics import check_head_semantics, hollow
 from .tracing import Kind, trace_model
-from .weights import Checkpoint, initialise, _load, materialise, parameters_on_meta, stored_name_converter
+from .weights import Checkpoint, initialise, load_part, materialise, parameters_on_meta, stored_name_converter
 
 __all__ = [
     "HFDecoderBlock",
@@ -79,7 +79,7 @@ class _Plan:
             return part
         part = materialise(copy.deepcopy(part), dtype=self.dtype)
         if self.checkpoint is not None:
-            _load(part, path, self.checkpoint)
+            load_part(part, path, self.checkpoint)
         else:
             initialise(part, self.lm)
         return part
@@ -116,7 +116,7 @@ class HFEmbedding(nn.Module):
         ids = _unwrap(input_ids)
         pad = self._pad_token_id
         key_mask = torch.ones_like(ids) if pad is None else (ids != pad).long()
-        out = _runtime(self._config, None, input_ids=ids, key_mask=key_mask).call(self.body, self._recipe)
+        out = block_runtime(self._config, None, input_ids=ids, key_mask=key_mask).call(self.body, self._recipe)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden, key_mask
 
@@ -142,7 +142,7 @@ class HFDecoderBlock(nn.Module):
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, key_mask = inputs[0], inputs[1]
         ropes = dict(zip(self._rope_paths, self.rotary, strict=True))
-        runtime = _runtime(
+        runtime = block_runtime(
             self._config, self._recipe, stores_kv=self._stores_kv, hidden=hidden, key_mask=key_mask, ropes=ropes
         )
         out = runtime.call(self.block, self._recipe)

@@ -28,13 +28,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .cache_role import TraceCache, _with_cache
+from .cache_role import TraceCache, call_with_cache
 
 __all__ = [
     "Arg",
     "Call",
     "Kind",
-    "_MaskCall",
     "MaskRecipe",
     "Recipe",
     "RopeRef",
@@ -270,7 +269,7 @@ def _hand_cache(
     if not trace.offer_cache or trace.cache is not None:
         return None
     cache = TraceCache(on_update=lambda: trace.cache_updates.append(len(trace.events)))
-    handed = _with_cache(module.forward, args, kwargs, cache)
+    handed = call_with_cache(module.forward, args, kwargs, cache)
     if handed is not None:
         trace.cache = cache
     return handed

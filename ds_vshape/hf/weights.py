@@ -3,7 +3,7 @@
 ``Checkpoint`` reads only the requested tensors from a local ``*.safetensors``
 checkpoint (single or sharded; base-model-only checkpoints without the prefix
 work too).  ``parameters_on_meta`` builds a model skeleton without parameter
-memory; ``materialise``, ``_load`` and ``initialise`` give one part of it real
+memory; ``materialise``, ``load_part`` and ``initialise`` give one part of it real
 storage and its checkpoint or freshly initialised values.  Everything here is
 internal to ``ds_vshape.hf``.
 """
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 __all__ = [
     "Checkpoint",
     "initialise",
-    "_load",
+    "load_part",
     "materialise",
     "parameters_on_meta",
     "stored_name_converter",
@@ -93,7 +93,7 @@ def stored_name_converter(lm: PreTrainedModel) -> Callable[[str], str] | None:
     if not renamings:
         return None
     # Converters (e.g. merging experts) would need whole tensors of other layers: not applied,
-    # so such checkpoints fail in _load naming the weights they lack.
+    # so such checkpoints fail in load_part naming the weights they lack.
     return lambda key: rename_source_key(key, renamings, [])[0]
 
 
@@ -140,7 +140,7 @@ def initialise(part: nn.Module, donor: PreTrainedModel) -> None:
             donor._init_weights(sub)
 
 
-def _load(part: nn.Module, prefix: str, checkpoint: Checkpoint) -> None:
+def load_part(part: nn.Module, prefix: str, checkpoint: Checkpoint) -> None:
     state = part.state_dict(keep_vars=True)
     keys = {f"{prefix}.{name}": tensor for name, tensor in state.items()}
     found = checkpoint.read(keys)

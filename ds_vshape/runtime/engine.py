@@ -142,7 +142,8 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
     def _ir(self, schedule: Schedule, *, train: bool = True) -> ins.IRSchedule:
         """The lowered stream, less the data-parallel points this ZeRO stage does not act on."""
         acts_on = self._zero_reducer.OPS if self._zero_reducer is not None else frozenset()
-        order = use_global_order(schedule, train=train, dynamic_shapes=self._p2p.dynamic_shape, synchronize_at=acts_on)
+        order = use_global_order(schedule, train=train, dynamic_shapes=self._p2p.dynamic_shape,
+                                 one_queue=self._p2p.one_queue, synchronize_at=acts_on)  # the one reading of the queue
         return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on, global_order=order)
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------

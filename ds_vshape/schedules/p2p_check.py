@@ -32,7 +32,7 @@ sequence chunks), so each one blocks as a header does.
 
 ``synchronize_at`` names op kinds before which the rank makes a device-wide synchronize (ZeRO-3's
 coalesced all-gather at ``gather_params``, ZeRO-2's ``allreduce_and_copy`` at
-``reduce_stage_grads``, auto's warm-up timing around every pass): such an op is issued only once
+``reduce_stage_grads``): such an op is issued only once
 every transfer the rank issued before it completed, posted receives and unmatched sends included.
 
 ``first_contact=True`` adds NCCL's connection rule (``first_contact`` module): a rank's first

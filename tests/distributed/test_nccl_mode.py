@@ -28,7 +28,7 @@ from ds_vshape.schedules import generate
 from ds_vshape.schedules.first_contact import contact_pairs, warm_up_peers
 from ds_vshape.schedules.lowering import programs
 
-from .launch import by_case, launch
+from .launch import ALL_RULES, by_case, launch
 from .nccl_checks import FIRST_CALL_S, GROUP_TIMEOUT_S, HELD
 from .test_engine import (RUNTIME_SCHEDULES, _assert_parity, _min_m, _parity_cases,
                           test_checkpoint_from_1f1b_loads_under_v_half as _assert_checkpoint_moves)
@@ -43,7 +43,6 @@ CONTROL_CASES = [{"name": f"control-{emu}-{shape}", "nccl_control": True, "emula
                  for emu in EMULATIONS for shape, p in SHAPES.items()]
 # Under the first-contact rule too; before the other emulated controls, so the world group's pairs are fresh.
 # Lazy runs it with every rule on at once (first contact, synchronize, one queue per rank).
-ALL_RULES = {"first_contact": True, "synchronize": True, "one_queue": True}
 FIRST_CONTACT_CONTROLS = [{"name": f"control-first-contact-{emu}-p4", "nccl_control": True, "emulation": emu, "p": 4, "m": 4,
                            "clip": 0.0, **({"first_contact": True} if emu == "eager" else ALL_RULES)}
                           for emu in ("eager", "lazy")]

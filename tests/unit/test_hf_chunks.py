@@ -336,11 +336,11 @@ def test_length_dependent_rotary_is_refused() -> None:
         rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra}
         config = _config("llama", rope_parameters=rope)
         config._attn_implementation = "sdpa"
-        reason = hf_chunkable._chunk_refusal(config, None)
+        reason = hf_chunkable.chunk_refusal(config, None)
         assert reason is not None and rope_type in reason and "sequence length" in reason
     plain = _config("llama")
     plain._attn_implementation = "eager"
-    assert hf_chunkable._chunk_refusal(plain, None) is None
+    assert hf_chunkable.chunk_refusal(plain, None) is None
 
 
 def _saved_bytes(run: Callable[[], Any], params: set[int]) -> int:

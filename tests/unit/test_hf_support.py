@@ -79,10 +79,10 @@ def test_refusal_is_known_from_the_specs_and_from_built_layers() -> None:
 def test_blocks_not_handed_or_not_using_the_cache_are_refused() -> None:
     model = _sdpa_llama()
     recipe = _plan(hf.pipeline_layers(model)[0]).anatomy.block_recipes[0]
-    assert hf_chunkable._chunk_refusal(model.config, recipe) is None
+    assert hf_chunkable.chunk_refusal(model.config, recipe) is None
     without = Recipe(recipe.positional, tuple(arg for arg in recipe.keyword if arg.kind is not Kind.CACHE))
-    assert "not handed the model's KV cache" in (hf_chunkable._chunk_refusal(model.config, without) or "")
-    unused = hf_chunkable._chunk_refusal(model.config, recipe, stores_kv=False)
+    assert "not handed the model's KV cache" in (hf_chunkable.chunk_refusal(model.config, without) or "")
+    unused = hf_chunkable.chunk_refusal(model.config, recipe, stores_kv=False)
     assert "stores no keys/values through its update" in (unused or "")
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -68,3 +69,16 @@ def test_a_collective_that_fails_is_named_with_its_group(gloo_world_of_one: None
 def test_other_errors_pass_unchanged(gloo_world_of_one: None) -> None:
     with pytest.raises(RuntimeError, match="^a forward failed$"), bounded_step(_engine(dist.new_group([0])), "train"):
         raise RuntimeError("a forward failed")  # not inside a collective of the step
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")])
+def test_an_error_at_a_collectives_site_that_is_not_about_a_peer_passes_unchanged(gloo_world_of_one: None,
+                                                                                  error: RuntimeError) -> None:
+    # Raised where the global norm is all-reduced, but out of memory or a shape error: no peer died.
+    def clip_fp32_gradients() -> None:
+        raise error
+
+    with pytest.raises(type(error)) as info, bounded_step(_engine(dist.new_group([0])), "train"):
+        clip_fp32_gradients()
+    assert info.value is error

@@ -42,7 +42,7 @@ def state_file(ckpt_dir: str, global_rank: int) -> str:
 def _rng() -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+        out["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: another node may see more or fewer
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         out["numpy"] = numpy.random.get_state()
@@ -80,7 +80,8 @@ def _set_rng(saved: dict[str, Any]) -> None:
     torch.set_rng_state(saved["torch"])
     random.setstate(saved["python"])
     if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
+        cuda = saved["cuda"]  # a list: written by a version that kept every visible device's
+        torch.cuda.set_rng_state(cuda[torch.cuda.current_device()] if isinstance(cuda, (list, tuple)) else cuda)
     numpy = sys.modules.get("numpy")
     if "numpy" in saved and numpy is not None:
         numpy.random.set_state(saved["numpy"])

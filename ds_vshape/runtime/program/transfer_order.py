@@ -2,7 +2,7 @@
 
 The default lowering (``schedules.p2p_order.place_posts``) posts receives early within each
 pair's order, which is safe when every pair of ranks has a communicator and a stream of its
-own that progress independently (``p2p_check.check_transfers``'s default model). Two
+own that progress independently (``p2p_check.check_transfers``'s default model). Three
 conditions break that model:
 
 * **One hardware queue** (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-DeepSpeed's launch

@@ -24,6 +24,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -73,9 +74,10 @@ def _backends(group: Any) -> list[Any]:
     return out
 
 
-def _set_timeouts(groups: list[Any], seconds: float) -> list[tuple[Any, timedelta]]:
-    """Give each backend of ``groups`` this timeout; returns what to restore (those whose timeout could be read)."""
-    saved, seen = [], set()
+def _set_timeouts(groups: list[Any], seconds: float, saved: list[tuple[Any, timedelta]]) -> None:
+    """Give each backend of ``groups`` this timeout; appends to ``saved`` what to restore (those whose
+    timeout could be read), each as it is changed, so a failure partway restores what it changed."""
+    seen = set()
     for group in groups:
         for backend in _backends(group):
             try:
@@ -85,9 +87,8 @@ def _set_timeouts(groups: list[Any], seconds: float) -> list[tuple[Any, timedelt
             if id(backend) in seen or not isinstance(old, timedelta) or not hasattr(backend, "_set_default_timeout"):
                 continue
             seen.add(id(backend))
-            saved.append((backend, old))
             backend._set_default_timeout(timedelta(seconds=seconds))
-    return saved
+            saved.append((backend, old))
 
 
 def _site(tb: TracebackType | None) -> str | None:
@@ -127,16 +128,30 @@ def bounded_step(engine: Any, kind: str) -> Iterator[None]:
     when = f"train step {engine.global_steps + 1}" if kind == "train" else f"eval batch after train step {engine.global_steps}"
     where = f"pipeline rank {engine.stage_id} (global rank {engine.global_rank}), {when}"
     groups = [g for gs in _groups(engine).values() for g in gs]
-    saved = _set_timeouts(groups, timeout_s)
+    saved: list[tuple[Any, timedelta]] = []
     try:
+        _set_timeouts(groups, timeout_s, saved)
         yield
     except P2PError as err:
         raise _transfer_error(err, engine.stage_id, where) from err
     except RuntimeError as err:
         site = _site(err.__traceback__)
-        if site is None or isinstance(err, StepCollectiveError) or type(err).__module__.startswith("ds_vshape"):
+        if site is None or isinstance(err, StepCollectiveError) or type(err).__module__.startswith("ds_vshape") \
+                or not _from_communication(err):
             raise
         raise _collective_error(engine, err, site, where, timeout_s) from err
     finally:
         for backend, old in saved:
             backend._set_default_timeout(old)
+
+
+# What a collective's failure says (c10d's, gloo's, NCCL's, the tests' emulation's); anything
+# else raised at the same site (out of memory, a shape error) is not about a peer and passes as it is.
+_COMMUNICATION = ("timed out", "timeout", "closed", "connection", "peer", "nccl", "gloo", "watchdog")
+
+
+def _from_communication(err: RuntimeError) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    text = str(err).lower()
+    return isinstance(err, dist.DistBackendError) or any(word in text for word in _COMMUNICATION)

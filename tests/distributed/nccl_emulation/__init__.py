@@ -52,10 +52,11 @@ Not emulated: self send/recv, ops inside torch's ``_coalescing_manager`` (left t
 
 from __future__ import annotations
 
-from .emulator import (FIRST_CONTACT_ENV, MODE_ENV, MODES, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, TIMEOUT_ENV, env_first_contact,
-                       env_mode, env_switch, first_contact, first_contacts_made, install, installed, mode, one_queue,
-                       original, synchronize_rule, synchronizes, synchronizes_waited, unfinished_ops, uninstall)
+from .emulator import (first_contact, first_contacts_made, install, installed, mode, one_queue, original, synchronize_rule,
+                       synchronizes, synchronizes_waited, unfinished_ops, uninstall)
 from .queues import EmulatedWork
+from .settings import (FIRST_CONTACT_ENV, MODE_ENV, MODES, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, TIMEOUT_ENV, env_first_contact,
+                       env_mode, env_switch)
 
 __all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "ONE_QUEUE_ENV", "SYNCHRONIZE_ENV", "TIMEOUT_ENV", "EmulatedWork",
            "env_first_contact", "env_mode", "env_switch", "first_contact", "first_contacts_made", "install", "installed",

@@ -8,7 +8,8 @@ nothing, so on gloo such a call can never hang. ``patch`` makes it wait, on the 
 emulated entry the rank issued before the call (``outstanding``), and raise ``RuntimeError``
 ("... synchronize ... timed out ...", naming the first entry still open) after the
 emulation's timeout, where a GPU would hang. ``restore`` puts the accelerator's own back.
-Calls made on a communicator's thread (inside an entry) are left alone.
+Calls made on a communicator's thread (inside an entry) or from a finalizer (``__del__``) are
+left alone.
 
 DeepSpeed skips its synchronizes where the accelerator ``resolves_data_dependency()`` (the CPU
 one does; CUDA does not). Under the rule, that answer is False where DeepSpeed's next statement
@@ -56,7 +57,7 @@ def patch(outstanding: Callable[[], list[EmulatedWork]], timeout_s: Callable[[],
     original, resolves = _ORIGINAL["synchronize"], _ORIGINAL["resolves"]
 
     def synchronize(device_index: Any = None) -> Any:
-        if not in_worker():
+        if not in_worker() and not _in_finalizer():
             _CALLS[0] += 1
             _wait_all(outstanding(), timeout_s(), mode())
         return original(device_index)
@@ -67,6 +68,20 @@ def patch(outstanding: Callable[[], list[EmulatedWork]], timeout_s: Callable[[],
 
     acc.synchronize = synchronize
     acc.resolves_data_dependency = resolves_data_dependency
+
+
+def _in_finalizer() -> bool:
+    """Whether the call comes from a ``__del__`` (DeepSpeed's engine finalizer destroys its ZeRO
+    optimizer, which synchronizes). The collector runs finalizers on whatever thread allocates,
+    a communicator's thread starting or the host inside the emulation's own locks, where a wait
+    for the rank's entries would deadlock the emulation itself; a job has one engine and never
+    finalizes it mid-step, so such a call is left to the accelerator's own synchronize."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def restore() -> None:

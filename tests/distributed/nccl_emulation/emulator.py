@@ -16,17 +16,11 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import device_sync
 from .queues import CommKey, Communicator, EmulatedWork, Lane, P2P, Transport, in_worker
+from .settings import FIRST_CONTACT_ENV, MODES, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, TIMEOUT_ENV, env_first_contact, env_switch
 
-__all__ = ["FIRST_CONTACT_ENV", "MODES", "MODE_ENV", "ONE_QUEUE_ENV", "SYNCHRONIZE_ENV", "TIMEOUT_ENV", "env_first_contact",
-           "env_mode", "env_switch", "first_contact", "first_contacts_made", "install", "installed", "mode", "one_queue", "original",
-           "synchronize_rule", "synchronizes", "synchronizes_waited", "unfinished_ops", "uninstall"]
+__all__ = ["first_contact", "first_contacts_made", "install", "installed", "mode", "one_queue", "original", "synchronize_rule",
+           "synchronizes", "synchronizes_waited", "unfinished_ops", "uninstall"]
 
-MODES = ("eager", "lazy")
-MODE_ENV = "DS_VSHAPE_NCCL_EMULATION"  # set by tests/distributed/launch.py: "eager", "lazy" ("1" = eager)
-TIMEOUT_ENV = "DS_VSHAPE_NCCL_TIMEOUT_S"
-FIRST_CONTACT_ENV = "DS_VSHAPE_NCCL_FIRST_CONTACT"  # "1": a first p2p call with a peer blocks until the peer's
-SYNCHRONIZE_ENV = "DS_VSHAPE_NCCL_SYNCHRONIZE"  # "1": the accelerator's synchronize() waits for every op the rank queued
-ONE_QUEUE_ENV = "DS_VSHAPE_NCCL_ONE_QUEUE"  # "1": every communicator of a rank feeds one ordered queue
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # Every tensor collective DeepSpeed reaches (deepspeed/comm/torch.py looks them up at call time,
 # except all_gather_into_tensor / reduce_scatter_tensor, cached at its init: install before it).
@@ -56,7 +50,9 @@ class _Emulator:
         self._contacted: set[tuple[CommKey, int]] = set()  # (communicator, peer) this rank has called with
         self._greetings: list[Any] = []  # gloo works of greetings still open (their buffers must live)
         self.greeted = 0  # first contacts made under the rule
-        self._issue_lock = threading.Lock()  # issue order across host threads; communicator creation
+        # Issue order across host threads; communicator creation. Reentrant: a finalizer the collector
+        # runs inside it (on this thread) may issue or ask for outstanding entries.
+        self._issue_lock = threading.RLock()
         self._comms: dict[CommKey, Communicator] = {}
         self._tags: dict[int, CommKey] = {}
         self._count = itertools.count(1)
@@ -271,31 +267,6 @@ _P2P_REPLACEMENTS: dict[str, Callable[..., Any]] = {
     "send": _emulated_send, "recv": _emulated_recv, "isend": _emulated_isend, "irecv": _emulated_irecv,
     "batch_isend_irecv": _emulated_batch_isend_irecv,
 }
-
-
-def env_mode(value: str | None) -> str | None:
-    """The mode the env var ``MODE_ENV`` asks for: None when unset or empty."""
-    if not value:
-        return None
-    if value == "1":
-        return "eager"
-    if value not in MODES:
-        raise ValueError(f"{MODE_ENV}={value!r}: use 'eager', 'lazy' or '1' (eager)")
-    return value
-
-
-def env_first_contact(value: str | None) -> bool:
-    """Whether the env var ``FIRST_CONTACT_ENV`` turns the first-contact rule on."""
-    return env_switch(FIRST_CONTACT_ENV, value)
-
-
-def env_switch(name: str, value: str | None) -> bool:
-    """Whether a rule's env var (``FIRST_CONTACT_ENV``, ``SYNCHRONIZE_ENV``, ``ONE_QUEUE_ENV``) turns it on."""
-    if value in (None, "", "0"):
-        return False
-    if value != "1":
-        raise ValueError(f"{name}={value!r}: use '1' (on) or '0' (off)")
-    return True
 
 
 def install(*, mode: str = "eager", timeout_s: float | None = None, first_contact: bool | None = None,
