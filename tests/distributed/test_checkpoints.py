@@ -152,7 +152,8 @@ def test_a_restarted_job_continues_exactly_as_the_uninterrupted_one(results: dic
         assert resumed == uninterrupted, f"rank {rank}: steps 3-4 {resumed} after the resume, {uninterrupted} without"
         assert res["compared"] > 100 and res["differ"] == [], f"rank {rank}: step-4 tags differ in {res['differ'][:8]}"
         at_save, after_load = res["at_save"], res["after_load"]
-        assert at_save["auto"] == "v-zb" and at_save["streak"] >= 1 and at_save["fit"], f"rank {rank}: {at_save}"
+        # auto's pick rests on measured pass times (v-zb here): any V schedule, as the placement asks
+        assert str(at_save["auto"]).startswith("v-") and at_save["streak"] >= 1 and at_save["fit"], f"rank {rank}: {at_save}"
         for key in ("auto", "schedule", "streak", "scale", "rng", "python_rng"):
             assert after_load[key] == at_save[key], f"rank {rank}: {key} {after_load[key]!r} loaded, {at_save[key]!r} saved"
         assert res["end"][0] == res["end"][1], f"rank {rank}: at step 4 {res['end'][1]} resumed, {res['end'][0]} without"
