@@ -77,11 +77,11 @@ def _case_rules(case: dict[str, Any]) -> None:
         return
     from tests.distributed import nccl_emulation
 
-    env = emulation_env(dict(os.environ), rules["mode"], first_contact=rules.get("first_contact"),
-                               synchronize=rules.get("synchronize"), one_queue=rules.get("one_queue"))
-    os.environ.update(env)
-    nccl_emulation.install(mode=rules["mode"], first_contact=bool(rules.get("first_contact")),
-                           synchronize=bool(rules.get("synchronize")), one_queue=bool(rules.get("one_queue")))
+    # The rules go into the environment once (CUDA_DEVICE_MAX_CONNECTIONS with one queue, as every
+    # launch sets it); install reads its switches from there.
+    os.environ.update(emulation_env(dict(os.environ), rules["mode"], first_contact=rules.get("first_contact"),
+                                    synchronize=rules.get("synchronize"), one_queue=rules.get("one_queue")))
+    nccl_emulation.install(mode=rules["mode"])
 
 
 def _case_port() -> int:
