@@ -1,7 +1,7 @@
 """``nn.Linear`` split on autograd's graph (``graph_linear``): no Python node in F, the same gradients.
 
 After a scope's first (routed) forward, a plain ``nn.Linear`` runs its GEMM on the weight
-detached: autograd's native node computes the input's gradient in B, a pre-hook parks the
+detached: autograd's native node computes the input's gradient in B, a hook on its output parks the
 weight's work, W computes it. Checked against a fused backward on a small block (``host_stage``'s test runs Hugging Face
 Llama blocks, the engine tiers train them): exact gradients, no custom autograd node in the
 graph, W's input kept through the saved-tensor hooks (meter, offload, checkpoint), a second
@@ -319,7 +319,7 @@ def test_an_input_changed_in_place_after_the_forward_is_named_not_used() -> None
 
 def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
     """A 3-D input's output is a view of the GEMM's: an in-place op on it rebases the view, and the
-    pre-hook must sit on the GEMM's own node to see the gradient."""
+    hook must sit on the GEMM's own output to see the gradient."""
 
     def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.relu_(block.fc1(x)).square().sum()
@@ -335,6 +335,37 @@ def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
     with store.deferring(9):
         out.backward()
     store.run(9)
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_users_hook_on_the_output_still_runs_and_the_weight_gradient_stays_exact(in_place: bool) -> None:
+    """A 2-D input's output is the GEMM's own tensor, which carries the capture hook: a hook the
+    user registers on it afterwards joins the same hook dict and runs too (with the gradient it
+    would see without the split), also when the output is then changed in place."""
+    seen: dict[str, list[torch.Tensor]] = {"reference": [], "split": []}
+
+    def run(block: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+        h = block.fc1(x)
+        h.register_hook(lambda g: seen[name].append(g.clone()))
+        h = torch.relu_(h) if in_place else torch.relu(h)
+        return h.square().sum()
+
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _warm(block, store)
+    x = _inputs(1)[0].reshape(-1, DIM)
+    run(reference, x.clone().requires_grad_(), "reference").backward()
+    with store.forward_of(9, scope="stage"):
+        assert store.linear_plan(x.clone().requires_grad_(), block.fc1.weight, block.fc1.bias) != 0  # split, not plain
+        out = run(block, x.clone().requires_grad_(), "split")
+    with store.deferring(9):
+        out.backward()
+    assert store.parked_of(9), "B parked no work: the capture hook did not run"
+    store.run(9)
+    assert len(seen["split"]) == len(seen["reference"]) == 1
+    torch.testing.assert_close(seen["split"][0], seen["reference"][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
 
 
