@@ -41,7 +41,7 @@ POINTS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 
 
-HOLDER_LIMIT_S = 180  # a holder outlives no case: the driver ends it, or this does (the driver's limit is 120 s)
+HOLDER_LIMIT_S = 180  # a holder outlives no case: the driver ends it, or this does (hung survivors end 30 s after the kill)
 
 
 def _die_silently(out_dir: str, rank: int) -> None:

@@ -10,10 +10,11 @@ error ends it with a traceback on its stderr (``OUT/CASE/rank{r}.err``) and exit
 
 The driver waits for every rank of a case (``os.waitpid``) and writes ``OUT/CASE/result.json``:
 each rank's exit status, the time it ended and its last error line, and the killed rank's
-record (``killed{r}.json``: the time of its SIGKILL). A rank still running ``hard_limit_s``
-after its case started is recorded as ``left_running``, writes every thread's stack to its
-``.err`` (SIGUSR1) and is then killed, so a hang fails the test instead of the suite and shows
-where it waited. The dead rank's socket holder is ended after the survivors.
+record (``killed{r}.json``: the time of its SIGKILL). A rank still running
+``DS_VSHAPE_FAULT_AFTER_KILL_S`` after the kill (or ``DS_VSHAPE_FAULT_HARD_LIMIT_S`` after its
+case started) is recorded as ``left_running``, writes every thread's stack to its ``.err``
+(SIGUSR1, kept in the result's ``stacks``) and is then killed, so a hang fails the test instead
+of the suite and shows where it waited. The dead rank's socket holder is ended after the survivors.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _finish(run: dict[str, Any]) -> dict[str, Any]:
             killed = json.load(fh)
         _end(killed["holder"])
     result = {"killed": killed, "started": run["started"], "ranks": {str(r): v for r, v in sorted(run["ranks"].items())},
-              "left_running": run.get("left_running", [])}
+              "left_running": run.get("left_running", []), "stacks": run.get("stacks", {})}
     with open(os.path.join(run["dir"], "result.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     return result
@@ -164,7 +165,42 @@ def _reap_orphans() -> None:
             return
 
 
-def _poll(running: list[dict[str, Any]], hard_limit_s: float) -> list[dict[str, Any]]:
+def _killed_at(run: dict[str, Any]) -> float | None:
+    """When the case's rank died (its record), once it has; read once."""
+    if run.get("killed_at") is None:
+        path = os.path.join(run["dir"], f"killed{run['case']['kill_rank']}.json")
+        try:
+            with open(path) as fh:
+                run["killed_at"] = json.load(fh)["at"]
+        except (OSError, ValueError, KeyError):  # not yet, or being written
+            return None
+    return run["killed_at"]
+
+
+def _overdue(run: dict[str, Any], hard_limit_s: float, after_kill_s: float) -> bool:
+    """Ranks still running ``after_kill_s`` after the kill, or ``hard_limit_s`` after the start
+    (a case slow to reach its kill point is not mistaken for a hang after it)."""
+    now, killed = time.time(), _killed_at(run)
+    return now - run["started"] > hard_limit_s or (killed is not None and now - killed > after_kill_s)
+
+
+def _end_hung(run: dict[str, Any]) -> None:
+    """Record the hung ranks, ask each for every thread's stack (into its .err, kept in the result
+    so a failing test shows where it waited), then end them."""
+    run["left_running"] = sorted(run["pids"].values())
+    for pid in run["pids"]:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    run["stacks"] = {}
+    for pid in list(run["pids"]):
+        rank = run["pids"][pid]
+        with open(os.path.join(run["dir"], f"rank{rank}.err"), errors="replace") as fh:
+            run["stacks"][str(rank)] = fh.read()[-6000:]
+        _end(pid)
+        _record(run, pid, os.waitpid(pid, 0)[1], time.time())
+
+
+def _poll(running: list[dict[str, Any]], hard_limit_s: float, after_kill_s: float) -> list[dict[str, Any]]:
     """Reap what ended; returns the runs all of whose ranks are done."""
     done = []
     for run in running:
@@ -172,14 +208,8 @@ def _poll(running: list[dict[str, Any]], hard_limit_s: float) -> list[dict[str, 
             got, status = os.waitpid(pid, os.WNOHANG)
             if got:
                 _record(run, pid, status, time.time())
-        if run["pids"] and time.time() - run["started"] > hard_limit_s:
-            run["left_running"] = sorted(run["pids"].values())
-            for pid in run["pids"]:  # each hung rank writes its threads' stacks to its .err first
-                os.kill(pid, signal.SIGUSR1)
-            time.sleep(1.0)
-            for pid in list(run["pids"]):
-                _end(pid)
-                _record(run, pid, os.waitpid(pid, 0)[1], time.time())
+        if run["pids"] and _overdue(run, hard_limit_s, after_kill_s):
+            _end_hung(run)
         if not run["pids"]:
             done.append(run)
     return done
@@ -204,7 +234,8 @@ def main() -> None:
     while pending or running:
         while pending and len(running) < concurrent:
             running.append(_start(pending.pop(0), out_dir))
-        for run in _poll(running, hard_limit_s=float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "120"))):
+        for run in _poll(running, float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "150")),
+                         float(os.environ.get("DS_VSHAPE_FAULT_AFTER_KILL_S", "30"))):
             running.remove(run)
             result = _finish(run)
             if _port_taken(result) and run["case"].get("attempt", 0) < 2:  # the rendezvous lost its port: again
