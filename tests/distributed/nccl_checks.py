@@ -15,12 +15,14 @@ others' way; the wedging checks run last, and this case must be the launch's las
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import deepspeed
 import deepspeed.comm as ds_comm
@@ -42,7 +44,7 @@ HELD = {("eager", "unbatched", "same"): True, ("eager", "batched", "same"): True
         ("lazy", "unbatched", "same"): False, ("lazy", "batched", "same"): True,
         **{(mode, kind, "two"): False for mode in ("eager", "lazy") for kind in ("unbatched", "batched")}}
 DEADLOCK_S = 3.0  # the emulation's timeout in the wedging checks
-FIRST_CALL_S = 1.0  # how long after rank 0's first call rank 1 makes its own
+FIRST_CALL_S = 1.0  # how late rank 1 makes the call rank 0's must wait for (never asserted on)
 
 
 def run_stock_control(case: dict[str, Any]) -> dict[str, Any]:
@@ -210,21 +212,34 @@ def _collective_times_out_with_its_group(me: int, groups: Callable[[list[int]], 
 
 
 def _first_call_blocks(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
-    """(g) Rank 0's first call with rank 1 on a fresh group returns only once rank 1 made its own
-    (rank 1 calls FIRST_CALL_S after rank 0); its second call, the pair connected, returns at once."""
+    """(g) Rank 0's first call with rank 1 on a fresh group returns only once rank 1 made its own;
+    its second call, the pair connected, returns before rank 1 makes its second.
+
+    Proven by order, not by time: rank 1 says so in the store just before each of its calls, and
+    makes its second only once rank 0's second returned. Its first comes FIRST_CALL_S late (a
+    first call that did not block would return meanwhile: nothing waits on that time); a second
+    call that blocked would wait for a call that waits for it, and time out."""
     pair = groups([0, 1])
-    took: list[float] = []
+    tag = f"first-call-{next(_ROUND)}"
     works: list[Any] = []
-    for _ in range(2):
-        _sync()
-        if me == 0:
-            start = time.monotonic()
-            works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
-            took.append(time.monotonic() - start)
-        elif me == 1:
-            time.sleep(FIRST_CALL_S)
-            works.append(_post("send", torch.ones(2), 0, pair, batched=True))
-    return {"took": took, "errors": [_completes(w, WAIT_S) for w in works]} if me < 2 else None
+    _sync()
+    if me == 0:
+        works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
+        first = _signalled(f"{tag}-1-first")
+        works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
+        second = _signalled(f"{tag}-1-second")
+        _signal(f"{tag}-0-second")
+        return {"peer_called_first": first, "peer_called_second": second,
+                "errors": [_completes(w, WAIT_S) for w in works]}
+    if me == 1:
+        time.sleep(FIRST_CALL_S)
+        _signal(f"{tag}-1-first")
+        works.append(_post("send", torch.ones(2), 0, pair, batched=True))
+        _await(f"{tag}-0-second")
+        _signal(f"{tag}-1-second")
+        works.append(_post("send", torch.ones(2), 0, pair, batched=True))
+        return {"errors": [_completes(w, WAIT_S) for w in works]}
+    return None
 
 
 def _cycle_of_first_receives(me: int, groups: Callable[[list[int]], Any], *, warm_up: bool,
@@ -249,24 +264,48 @@ def _cycle_of_first_receives(me: int, groups: Callable[[list[int]], Any], *, war
         return {"error": str(err)}
 
 
-def _synchronize_waits(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
-    """(i) Rank 0 posts a receive from rank 1, then calls DeepSpeed's accelerator synchronize();
-    rank 1 sends FIRST_CALL_S later. Under the synchronize rule the call returns only after the
-    receive completed (as on a GPU); without it, at once (the CPU accelerator's does nothing)."""
+def _synchronize_waits(me: int, groups: Callable[[list[int]], Any], *, rule: bool) -> dict[str, Any] | None:
+    """(i) Rank 0 posts a receive from rank 1, then calls DeepSpeed's accelerator synchronize().
+    Under the synchronize rule (``rule``) the call returns only after the receive completed, as
+    on a GPU: rank 1 sends FIRST_CALL_S later (a synchronize that did not wait would return
+    first: nothing waits on that time). Without it, the call returns at once (the CPU
+    accelerator's does nothing): rank 1 sends only once it returned, so one that waited would
+    time out."""
     pair = groups([0, 1])
+    tag = f"synchronize-{next(_ROUND)}"
     _sync()
     if me == 0:
         from deepspeed.accelerator import get_accelerator
 
         work = _post("recv", torch.zeros(2), 1, pair, batched=True)
-        start = time.monotonic()
         get_accelerator().synchronize()
-        took = time.monotonic() - start
-        return {"took": took, "done_at_return": work.is_completed(), "error": _completes(work, WAIT_S)}
+        got = {"done_at_return": work.is_completed(), "peer_sent": _signalled(f"{tag}-sent")}
+        _signal(f"{tag}-returned")
+        return {**got, "error": _completes(work, WAIT_S)}
     if me == 1:
-        time.sleep(FIRST_CALL_S)
+        if rule:
+            time.sleep(FIRST_CALL_S)
+        else:
+            _await(f"{tag}-returned")
+        _signal(f"{tag}-sent")
         return {"error": _completes(_post("send", torch.ones(2), 0, pair, batched=True), WAIT_S)}
     return None
+
+
+_ROUND = itertools.count()  # every rank runs the checks in one order: the same keys on each
+
+
+def _signal(key: str) -> None:
+    """Tell the other ranks, through the process group's store (no collective, no emulation)."""
+    c10d._get_default_store().set(key, "1")
+
+
+def _signalled(key: str) -> bool:
+    return c10d._get_default_store().check([key])
+
+
+def _await(key: str) -> None:
+    c10d._get_default_store().wait([key], timedelta(seconds=WAIT_S))
 
 
 def _under(mode: str, timeout_s: float, check: Callable[[], Any], **rules: bool) -> Any:
@@ -331,8 +370,9 @@ def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[st
         me, groups, warm_up=True, wait_s=WAIT_S))
     checks["one-queue-hold"] = functools.partial(_under, mode, WAIT_S, lambda: _hold(
         me, groups, batched=True, same_group=False, held=True), one_queue=True)
-    checks["synchronize-waits"] = functools.partial(_under, mode, WAIT_S, lambda: _synchronize_waits(me, groups), synchronize=True)
-    checks["synchronize-off"] = functools.partial(_synchronize_waits, me, groups)
+    checks["synchronize-waits"] = functools.partial(_under, mode, WAIT_S, lambda: _synchronize_waits(me, groups, rule=True),
+                                                    synchronize=True)
+    checks["synchronize-off"] = functools.partial(_synchronize_waits, me, groups, rule=False)
     return _run(checks)
 
 

@@ -83,11 +83,16 @@ def test_zero_matches_reference_under_nccl_rules(results_nccl: dict, case: str) 
 def test_zero3_gathers_reach_the_emulated_device_synchronize(which: str, request: pytest.FixtureRequest) -> None:
     # The synchronize rule was exercised: DeepSpeed's ZeRO-3 gathers called it on every rank
     # (the CPU accelerator would skip it), each time waiting for every entry the rank had
-    # outstanding (results: pair communicators, where it meets posted receives; results_nccl:
-    # with every rule), and the cases still trained exactly (the parity tests).
+    # outstanding (results: pair communicators, where some met posted receives and waited;
+    # results_nccl: lazy init with every rule, where none was outstanding at
+    # a gather in the runs so far, so only the calls are checked), and the cases still trained
+    # exactly (the parity tests).
     results = request.getfixturevalue(which)
     for case in (c for c in NCCL_CASES if c.startswith("zero3")):
-        assert all(res["synchronizes"][0] > 0 for res in results[case]), (case, [r["synchronizes"] for r in results[case]])
+        counts = [r["synchronizes"] for r in results[case]]
+        assert all(calls > 0 for calls, _ in counts), (case, counts)
+        if which == "results":  # pair communicators: some met posted receives and waited for them
+            assert any(waited > 0 for _, waited in counts), (case, counts)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if c["name"].startswith(("zero2-", "zero3-"))])
