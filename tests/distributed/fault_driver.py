@@ -234,7 +234,7 @@ def main() -> None:
     while pending or running:
         while pending and len(running) < concurrent:
             running.append(_start(pending.pop(0), out_dir))
-        for run in _poll(running, float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "150")),
+        for run in _poll(running, float(os.environ.get("DS_VSHAPE_FAULT_HARD_LIMIT_S", "120")),
                          float(os.environ.get("DS_VSHAPE_FAULT_AFTER_KILL_S", "30"))):
             running.remove(run)
             result = _finish(run)

@@ -15,7 +15,6 @@ others' way; the wedging checks run last, and this case must be the launch's las
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -211,32 +210,28 @@ def _collective_times_out_with_its_group(me: int, groups: Callable[[list[int]], 
         return {"error": str(err)}
 
 
-def _first_call_blocks(me: int, groups: Callable[[list[int]], Any]) -> dict[str, Any] | None:
+def _first_call_blocks(me: int, groups: Callable[[list[int]], Any], tag: str) -> dict[str, Any] | None:
     """(g) Rank 0's first call with rank 1 on a fresh group returns only once rank 1 made its own;
     its second call, the pair connected, returns before rank 1 makes its second.
 
-    Proven by order, not by time: rank 1 says so in the store just before each of its calls, and
+    Proven by order, not by time: rank 1 says so in the store just before its first call, and
     makes its second only once rank 0's second returned. Its first comes FIRST_CALL_S late (a
     first call that did not block would return meanwhile: nothing waits on that time); a second
     call that blocked would wait for a call that waits for it, and time out."""
     pair = groups([0, 1])
-    tag = f"first-call-{next(_ROUND)}"
     works: list[Any] = []
     _sync()
     if me == 0:
         works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
         first = _signalled(f"{tag}-1-first")
         works.append(_post("recv", torch.zeros(2), 1, pair, batched=True))
-        second = _signalled(f"{tag}-1-second")
         _signal(f"{tag}-0-second")
-        return {"peer_called_first": first, "peer_called_second": second,
-                "errors": [_completes(w, WAIT_S) for w in works]}
+        return {"peer_called_first": first, "errors": [_completes(w, WAIT_S) for w in works]}
     if me == 1:
         time.sleep(FIRST_CALL_S)
         _signal(f"{tag}-1-first")
         works.append(_post("send", torch.ones(2), 0, pair, batched=True))
         _await(f"{tag}-0-second")
-        _signal(f"{tag}-1-second")
         works.append(_post("send", torch.ones(2), 0, pair, batched=True))
         return {"errors": [_completes(w, WAIT_S) for w in works]}
     return None
@@ -264,7 +259,7 @@ def _cycle_of_first_receives(me: int, groups: Callable[[list[int]], Any], *, war
         return {"error": str(err)}
 
 
-def _synchronize_waits(me: int, groups: Callable[[list[int]], Any], *, rule: bool) -> dict[str, Any] | None:
+def _synchronize_waits(me: int, groups: Callable[[list[int]], Any], tag: str, *, rule: bool) -> dict[str, Any] | None:
     """(i) Rank 0 posts a receive from rank 1, then calls DeepSpeed's accelerator synchronize().
     Under the synchronize rule (``rule``) the call returns only after the receive completed, as
     on a GPU: rank 1 sends FIRST_CALL_S later (a synchronize that did not wait would return
@@ -272,7 +267,6 @@ def _synchronize_waits(me: int, groups: Callable[[list[int]], Any], *, rule: boo
     accelerator's does nothing): rank 1 sends only once it returned, so one that waited would
     time out."""
     pair = groups([0, 1])
-    tag = f"synchronize-{next(_ROUND)}"
     _sync()
     if me == 0:
         from deepspeed.accelerator import get_accelerator
@@ -290,9 +284,6 @@ def _synchronize_waits(me: int, groups: Callable[[list[int]], Any], *, rule: boo
         _signal(f"{tag}-sent")
         return {"error": _completes(_post("send", torch.ones(2), 0, pair, batched=True), WAIT_S)}
     return None
-
-
-_ROUND = itertools.count()  # every rank runs the checks in one order: the same keys on each
 
 
 def _signal(key: str) -> None:
@@ -365,14 +356,16 @@ def _run_mode(me: int, mode: str, groups: Callable[[list[int]], Any]) -> dict[st
         checks["collective-unbatched"] = functools.partial(_collective_behind, me, groups, batched=False, expect_held=False)
     if me >= 2:  # every rank runs as many checks (each ends in a _sync)
         checks = {"tags": lambda: None, "batch": lambda: None, **checks}
-    checks["first-call"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _first_call_blocks(me, groups))
+    # The store keys of a check name its mode and itself (each runs once per mode): the same on every rank.
+    checks["first-call"] = functools.partial(_under_first_contact, mode, WAIT_S,
+                                             lambda: _first_call_blocks(me, groups, f"{mode}-first-call"))
     checks["warmed-cycle"] = functools.partial(_under_first_contact, mode, WAIT_S, lambda: _cycle_of_first_receives(
         me, groups, warm_up=True, wait_s=WAIT_S))
     checks["one-queue-hold"] = functools.partial(_under, mode, WAIT_S, lambda: _hold(
         me, groups, batched=True, same_group=False, held=True), one_queue=True)
-    checks["synchronize-waits"] = functools.partial(_under, mode, WAIT_S, lambda: _synchronize_waits(me, groups, rule=True),
-                                                    synchronize=True)
-    checks["synchronize-off"] = functools.partial(_synchronize_waits, me, groups, rule=False)
+    checks["synchronize-waits"] = functools.partial(
+        _under, mode, WAIT_S, lambda: _synchronize_waits(me, groups, f"{mode}-synchronize-waits", rule=True), synchronize=True)
+    checks["synchronize-off"] = functools.partial(_synchronize_waits, me, groups, f"{mode}-synchronize-off", rule=False)
     return _run(checks)
 
 

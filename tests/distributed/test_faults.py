@@ -95,7 +95,7 @@ def _run(cases: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1", TMPDIR=str(workdir), DS_VSHAPE_FAULT_HARD_LIMIT_S="150",
+               OMP_NUM_THREADS="1", TMPDIR=str(workdir), DS_VSHAPE_FAULT_HARD_LIMIT_S="60",
                DS_VSHAPE_FAULT_AFTER_KILL_S=str(AFTER_KILL_S))
     # As every launch: NCCL's eager rules unless DS_VSHAPE_TEST_NCCL says otherwise, and the stricter
     # rules (first contact, synchronize, one queue) as the environment sets them.
@@ -135,7 +135,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_what_they_waited_for(faults: dict, name: str) -> None:
     res = faults[name]
     killed = res["killed"]
-    assert killed is not None, f"{name}: rank {KILL_RANK} never reached its kill point: {res['ranks']}"
+    assert killed is not None, (f"{name}: rank {KILL_RANK} never reached its kill point: {res['ranks']}; stacks of "
+                                f"ranks left running:\n" + "\n".join(res["stacks"].values()))
     assert res["left_running"] == [], (
         f"{name}: ranks {res['left_running']} were still running {AFTER_KILL_S:g} s after the kill "
         f"({killed['at'] - res['started']:.1f} s after the start); their stacks:\n" + "\n".join(res["stacks"].values()))

@@ -1,7 +1,7 @@
 """``nn.Linear`` split on autograd's graph (``graph_linear``): no Python node in F, the same gradients.
 
 After a scope's first (routed) forward, a plain ``nn.Linear`` runs its GEMM on the weight
-detached: autograd's native node computes the input's gradient in B, a hook on its output parks the
+detached: autograd's native node computes the input's gradient in B, a pre-hook parks the
 weight's work, W computes it. Checked against a fused backward on a small block (``host_stage``'s test runs Hugging Face
 Llama blocks, the engine tiers train them): exact gradients, no custom autograd node in the
 graph, W's input kept through the saved-tensor hooks (meter, offload, checkpoint), a second
@@ -319,7 +319,7 @@ def test_an_input_changed_in_place_after_the_forward_is_named_not_used() -> None
 
 def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
     """A 3-D input's output is a view of the GEMM's: an in-place op on it rebases the view, and the
-    hook must sit on the GEMM's own output to see the gradient."""
+    pre-hook must sit on the GEMM's own node to see the gradient."""
 
     def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.relu_(block.fc1(x)).square().sum()
@@ -338,34 +338,47 @@ def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
     torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dims", [2, 3])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_a_users_hook_on_the_output_still_runs_and_the_weight_gradient_stays_exact(in_place: bool) -> None:
-    """A 2-D input's output is the GEMM's own tensor, which carries the capture hook: a hook the
-    user registers on it afterwards joins the same hook dict and runs too (with the gradient it
-    would see without the split), also when the output is then changed in place."""
-    seen: dict[str, list[torch.Tensor]] = {"reference": [], "split": []}
+def test_a_users_hook_that_changes_the_output_gradient_changes_the_weight_gradient_too(dims: int, in_place: bool,
+                                                                                        bias: bool) -> None:
+    """A hook the user puts on a linear layer's output (the GEMM's own tensor for a 2-D input; for
+    a 3-D one a view of it, or its unsafe view without a bias) runs before the split takes the
+    output gradient: W sees the gradient the hook returned, as the fused backward's weight
+    gradient does, also when the output is then changed in place; and ``torch.autograd.grad``
+    taking that output as its input first leaves the split's capture alone."""
+    seen: dict[str, int] = {"reference": 0, "split": 0}
 
-    def run(block: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+    def run(block: nn.Module, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         h = block.fc1(x)
-        h.register_hook(lambda g: seen[name].append(g.clone()))
-        h = torch.relu_(h) if in_place else torch.relu(h)
-        return h.square().sum()
 
-    reference, block = Block(), Block()
+        def scale(g: torch.Tensor) -> torch.Tensor:
+            seen[name] += 1
+            return g * 10.0
+
+        h.register_hook(scale)
+        out = (torch.relu_(h) if in_place else torch.relu(h)).square().sum()
+        return out, h
+
+    reference, block = Block(bias=bias), Block(bias=bias)
     store = WeightGradStore()
     enable_split_backward([block], store)
     _warm(block, store)
-    x = _inputs(1)[0].reshape(-1, DIM)
-    run(reference, x.clone().requires_grad_(), "reference").backward()
+    x = _inputs(1)[0]
+    x = x.reshape(-1, DIM) if dims == 2 else x
+    run(reference, x.clone().requires_grad_(), "reference")[0].backward()
     with store.forward_of(9, scope="stage"):
-        assert store.linear_plan(x.clone().requires_grad_(), block.fc1.weight, block.fc1.bias) != 0  # split, not plain
-        out = run(block, x.clone().requires_grad_(), "split")
+        out, h = run(block, x.clone().requires_grad_(), "split")
+    if not in_place:  # an in-place op takes h out of the graph's inputs
+        torch.autograd.grad(out, [h], retain_graph=True)
+        seen["split"] = 0
+    assert not store.parked_of(9)
     with store.deferring(9):
         out.backward()
-    assert store.parked_of(9), "B parked no work: the capture hook did not run"
+    assert store.parked_of(9), "B parked no work: the output was not split on the graph"
     store.run(9)
-    assert len(seen["split"]) == len(seen["reference"]) == 1
-    torch.testing.assert_close(seen["split"][0], seen["reference"][0], rtol=1e-6, atol=1e-6)
+    assert seen["split"] == seen["reference"]
     torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
 
 

@@ -7,11 +7,11 @@ host time that every pass a schedule adds pays again. For the common module, a p
 
 * F runs ``F.linear`` on the weight detached, so autograd's native GEMM node gets no edge
   to the weight: it computes the input's gradient (and the bias's, when B computes it)
-  and never the weight's. A hook on the GEMM's output sees its gradient in B.
+  and never the weight's. A pre-hook on that node sees the output gradient in B.
 * What W needs of the forward, the GEMM's input, is kept as autograd would keep it: handed
   to the saved-tensor hooks active at the time (the activation meter, activation offload,
   a non-reentrant checkpoint), unpacked when B reaches the node.
-* B's hook parks the input and the output gradient as the same ``MatmulWork`` the
+* B's pre-hook parks the input and the output gradient as the same ``MatmulWork`` the
   routed path parks, so W, the ``w_memory`` fit and the offload of W's kept tensors see no
   difference.
 
@@ -25,7 +25,6 @@ taken over (``take_over``): a subclass may have a forward of its own.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
 from enum import IntEnum
 from typing import Any, Callable, Protocol
@@ -101,29 +100,11 @@ class SplitLinear(nn.Linear):
         unpack, version = None, input._version  # autograd no longer saves the input: W's check is ours
         if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
             kept, unpack, version = hooks[0](input.detach()), hooks[1], None
-        # On the GEMM's own output: a 3-D input's output is a view of it, and an in-place op on that
-        # view would take the view's node out of the graph (a hook there would never fire).
-        _on_gradient((out if out._base is None else out._base),
-                     _Capture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None))
+        # The GEMM's own node: a 3-D input's output is a view of it, and an in-place op on that view
+        # would take the view's node out of the graph (the hook would never fire).
+        node = (out if out._base is None else out._base).grad_fn
+        node.register_prehook(_Capture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None))
         return out
-
-
-_HOOK_KEY = -1  # RemovableHandle ids count up from 0: a later user hook on the tensor never takes this key
-
-
-def _on_gradient(t: torch.Tensor, capture: _Capture) -> None:
-    """Run ``capture`` with the gradient arriving at ``t`` (a tensor pre-hook on its node).
-
-    What ``Tensor.register_hook`` does, less the ``RemovableHandle`` it builds in Python (most of
-    its cost; the hook is never removed): the tensor's hook dict, registered on its node. The dict
-    is ordered and can be weakly referenced, as torch's own, so a hook added later through
-    ``register_hook`` joins it and runs after this one. A tensor already carrying hooks (a mode or
-    subclass put them there) gets this one through ``register_hook``."""
-    if t._backward_hooks is not None:
-        t.register_hook(capture)
-        return
-    t._backward_hooks = OrderedDict(((_HOOK_KEY, capture),))
-    t.grad_fn._register_hook_dict(t)
 
 
 def _routed(store: GraphLinearStore, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -150,7 +131,7 @@ _USED = object()  # what a _Capture keeps once its backward has run
 
 
 class _Capture:
-    """B's hook on the GEMM's output: parks the weight's work with the output gradient arriving there."""
+    """B's pre-hook on the GEMM node: parks the weight's work with the output gradient arriving there."""
 
     __slots__ = ("store", "key", "kept", "unpack", "version", "weight", "bias")
 
@@ -159,7 +140,8 @@ class _Capture:
         self.store, self.key, self.kept, self.unpack, self.version = store, key, kept, unpack, version
         self.weight, self.bias = weight, bias
 
-    def __call__(self, grad: torch.Tensor | None) -> None:
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grad_outputs[0]
         if grad is None:
             return None
         # Let go of it here, as autograd frees a node's saved tensors when it runs: the meter and offload
