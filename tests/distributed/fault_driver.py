@@ -130,11 +130,8 @@ def _record(run: dict[str, Any], pid: int, status: int, at: float) -> None:
 
 def _finish(run: dict[str, Any]) -> dict[str, Any]:
     """The case's result; ends the killed rank's socket holder."""
-    case, killed = run["case"], None
-    path = os.path.join(run["dir"], f"killed{case['kill_rank']}.json")
-    if os.path.exists(path):
-        with open(path) as fh:
-            killed = json.load(fh)
+    killed = _killed(run)
+    if killed is not None:
         _end(killed["holder"])
     result = {"killed": killed, "started": run["started"], "ranks": {str(r): v for r, v in sorted(run["ranks"].items())},
               "left_running": run.get("left_running", []), "stacks": run.get("stacks", {})}
@@ -165,15 +162,21 @@ def _reap_orphans() -> None:
             return
 
 
+def _killed(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The killed rank's record (``killed{r}.json``: when, its pid, its socket holder's), once written."""
+    path = os.path.join(run["dir"], f"killed{run['case']['kill_rank']}.json")
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):  # not yet, or being written
+        return None
+
+
 def _killed_at(run: dict[str, Any]) -> float | None:
-    """When the case's rank died (its record), once it has; read once."""
+    """When the case's rank died, once it has; read once."""
     if run.get("killed_at") is None:
-        path = os.path.join(run["dir"], f"killed{run['case']['kill_rank']}.json")
-        try:
-            with open(path) as fh:
-                run["killed_at"] = json.load(fh)["at"]
-        except (OSError, ValueError, KeyError):  # not yet, or being written
-            return None
+        killed = _killed(run)
+        run["killed_at"] = killed["at"] if killed is not None else None
     return run["killed_at"]
 
 

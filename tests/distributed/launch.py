@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .nccl_emulation.settings import FIRST_CONTACT_ENV, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, env_switch
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -31,6 +33,12 @@ def default_mode() -> str | None:
     if mode not in ("eager", "lazy", "off"):
         raise ValueError(f"{MODE_ENV} must be eager, lazy or off, got {mode!r}")
     return None if mode == "off" else mode
+
+
+def stricter_rules() -> bool:
+    """Whether launches run under more than eager init's rules (``DS_VSHAPE_TEST_NCCL``, a rule's switch)."""
+    switches = (FIRST_CONTACT_ENV, SYNCHRONIZE_ENV, ONE_QUEUE_ENV)
+    return default_mode() != "eager" or any(env_switch(name, os.environ.get(name)) for name in switches)
 
 
 def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: int = 600,
@@ -114,10 +122,9 @@ def emulation_env(env: dict[str, str], mode: str | None, *, first_contact: bool 
     env.pop("DS_VSHAPE_NCCL_EMULATION", None)  # only the mode turns it on
     if mode:
         env["DS_VSHAPE_NCCL_EMULATION"] = mode
-    for var, value in (("DS_VSHAPE_NCCL_FIRST_CONTACT", first_contact), ("DS_VSHAPE_NCCL_SYNCHRONIZE", synchronize),
-                       ("DS_VSHAPE_NCCL_ONE_QUEUE", one_queue)):
+    for var, value in ((FIRST_CONTACT_ENV, first_contact), (SYNCHRONIZE_ENV, synchronize), (ONE_QUEUE_ENV, one_queue)):
         if value is not None:
             env[var] = "1" if value else "0"
-    if env.get("DS_VSHAPE_NCCL_ONE_QUEUE") == "1" and mode:
+    if env.get(ONE_QUEUE_ENV) == "1" and mode:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     return env

@@ -12,13 +12,12 @@ norm active (clip 0.01).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .launch import ALL_RULES, default_mode, launch
+from .launch import ALL_RULES, launch, stricter_rules
 
 pytestmark = pytest.mark.distributed
 
@@ -80,12 +79,6 @@ def test_zero_matches_reference_under_nccl_rules(results_nccl: dict, case: str) 
     _assert_matches(results_nccl, case)
 
 
-def _stricter_rules() -> bool:
-    """The launches run under more than eager init's rules (``DS_VSHAPE_TEST_NCCL``, ``DS_VSHAPE_NCCL_*``)."""
-    switches = ("DS_VSHAPE_NCCL_FIRST_CONTACT", "DS_VSHAPE_NCCL_SYNCHRONIZE", "DS_VSHAPE_NCCL_ONE_QUEUE")
-    return default_mode() != "eager" or any(os.environ.get(v) == "1" for v in switches)
-
-
 @pytest.mark.parametrize("which", ["results", "results_nccl"])
 def test_zero3_gathers_reach_the_emulated_device_synchronize(which: str, request: pytest.FixtureRequest) -> None:
     # The synchronize rule was exercised: DeepSpeed's ZeRO-3 gathers called it on every rank
@@ -98,7 +91,7 @@ def test_zero3_gathers_reach_the_emulated_device_synchronize(which: str, request
     for case in (c for c in NCCL_CASES if c.startswith("zero3")):
         counts = [r["synchronizes"] for r in results[case]]
         assert all(calls > 0 for calls, _ in counts), (case, counts)
-        if which == "results" and not _stricter_rules():  # eager, pair communicators: some met posted receives
+        if which == "results" and not stricter_rules():  # eager, pair communicators: some met posted receives
             assert any(waited > 0 for _, waited in counts), (case, counts)
 
 
