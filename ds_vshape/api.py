@@ -21,7 +21,7 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.utils import logger
 
 from .config import ConfigError, PipelineConfig, parse_pipeline_config
-from .runtime.measuring.auto import AutoEngine
+from .runtime.auto_engine import AutoEngine
 from .runtime.engine import VShapeEngine
 from .runtime.dropin.carry import carry_weights
 from .runtime.transfers.device import bind_local_device
@@ -32,6 +32,7 @@ from .runtime.offload.setup import check_offload_config, offload_notes
 from .runtime.program.seq_chunks import check_module as check_seq_chunk_module
 from .runtime.step_end.tensor_parallel import model_parallel_size
 from .runtime.program.seq_chunks import partition_dims
+from .runtime.program.plan import EngineSettings, Plan
 from .runtime.step_end.post_validation import check_post_validation_config
 from .runtime.zero.zero import check_zero_config
 from .schedules import Schedule, ScheduleError, get_info
@@ -69,24 +70,30 @@ def initialize(
         for note in offload_notes(vs.offload_share, checkpoint_interval=module.activation_checkpoint_interval,
                                   split_backward=schedule.uses_split_backward):
             logger.warning(note)
-    # The schedule is made here, once; the engine gets it, and the same generator for batch
-    # ramp-up, but never the config itself.
-    auto = {}
-    if vs.schedule == "auto":
-        auto["auto"] = vs.auto_settings(zero_stage=_zero_stage(config_dict), stages=schedule.stages,
-                                        micro_batches=schedule.micro_batches)
-    engine = (AutoEngine if auto else VShapeEngine)(
+    plan = _make_plan(vs, schedule, model.num_stages, config_dict, module=module)
+    engine = (AutoEngine if plan.auto is not None else VShapeEngine)(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
-        collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config,
-        schedule=schedule, make_schedule=partial(vs.make_schedule, model.num_stages),
-        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
-        speculate_after=vs.speculate_after, offload=vs.offload_share, seq_partition=vs.seq_partition,
-        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None,
-        weight_grads_in_b=vs.weight_grads_in_b, **auto,
+        collate_fn=kwargs.get("collate_fn"), config=config_dict, config_class=ds_config, plan=plan,
     )
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _make_plan(vs: PipelineConfig, schedule: Schedule, stages: int, config: dict[str, Any], *,
+               module: PipelineModule) -> Plan:
+    """The one plan the engine runs by: the schedule made here, once (the engine never reads the
+    config), how to remake it for a new batch size, the engine's settings and auto's."""
+    settings = EngineSettings(
+        p2p_timeout_s=vs.p2p_timeout_s, measure_memory=vs.measure_memory, post_validation=vs.post_validation,
+        speculate_after=vs.speculate_after, offload=vs.offload_share, seq_partition=vs.seq_partition,
+        seq_dims=partition_dims(module) if vs.seq_partition == "compute" else None,
+        weight_grads_in_b=tuple(vs.weight_grads_in_b),
+    )
+    auto = None
+    if vs.schedule == "auto":
+        auto = vs.auto_settings(zero_stage=_zero_stage(config), stages=schedule.stages, micro_batches=schedule.micro_batches)
+    return Plan(schedule, partial(vs.make_schedule, stages), settings, auto=auto)
 
 
 def _carry_optimizer_setup(model: DSPipelineModule, module: PipelineModule, optimizer: Any, model_parameters: Any,

@@ -8,7 +8,7 @@ neighbour stage lives on this rank), ``_grad_in`` the gradient of a stage's outp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,15 +18,14 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
-from ..schedules import F, Kind, Schedule
+from ..schedules import Kind, Schedule
 from ..schedules.ir import Unit
 from ..schedules.first_contact import contact_pairs, warm_up_peers
 from ..schedules.fit_limit import moved_share_limit
-from ..schedules.lowering import programs
 from ..schedules.ops import DATA_PARALLEL
-from ..schedules.p2p_check import check_transfers
 from .dropin import checkpoint as ckpt
 from .program import instructions as ins
+from .program.plan import Plan
 from .program.transfer_order import use_global_order
 from .transfers.comm import P2P
 from .transfers.device import waits_on_stream
@@ -52,18 +51,10 @@ log = ds_logger  # DeepSpeed's logger: users already see its INFO lines
 class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin, ckpt.AtomicSaveMixin, PipelineEngine):
     """A ``PipelineEngine`` whose schedule comes from ``ds_vshape.schedules``."""
 
-    def __init__(self, *args: Any, schedule: Schedule, make_schedule: Callable[[int], Schedule], p2p_timeout_s: float,
-                 measure_memory: bool = False, post_validation: bool = False, speculate_after: int | None = None,
-                 offload: float = 0.0, seq_partition: str = "equal", seq_dims: dict[str, int] | None = None,
-                 weight_grads_in_b: Sequence[str] = (), **kwargs: Any) -> None:
-        """``schedule``: made once by ``ds_vshape.initialize`` for this module's placement;
-        ``make_schedule(m)``: the same schedule for another number of micro-batches (batch
-        ramp-up through ``set_train_batch_size``); ``post_validation``: step on local
-        information and check the global norm later, and after ``speculate_after`` steps
-        that stood, start the next step before the check arrives (``runtime/step_end/post_validation.py``);
-        ``offload``: the share of each rank's activation sent to host memory (``runtime/offload``);
-        ``seq_partition`` / ``seq_dims``: where sequence chunks are cut (``runtime/program/seq_chunks.py``);
-        ``weight_grads_in_b``: module-path patterns whose weight gradients split backward computes in B."""
+    def __init__(self, *args: Any, plan: Plan, **kwargs: Any) -> None:
+        """``plan``: made once by ``ds_vshape.initialize`` for this module's placement: the schedule,
+        how to remake it for another number of micro-batches (``set_train_batch_size``), every
+        rank's checked program and the engine's settings (``runtime/program/plan.py``)."""
         # PipelineEngine.__init__ runs a send/recv handshake along the linear rank chain using
         # is_first_stage()/is_last_stage(); they keep DeepSpeed's meaning until it is done.
         object.__setattr__(self, "_vs_placement", None)
@@ -71,38 +62,42 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         self._vs_placement = tuple(kwargs["model"].placement)
         if self.training_data is not None:
             self._build_data_iter(self.training_data)  # again: first/last rank changed meaning
-        self._make_schedule = make_schedule
-        self._check_schedule(schedule)
-        self.schedule: Schedule = schedule
-        self.num_model_stages = self.schedule.num_model_stages
+        self._check_plan(plan)
+        self._plan = plan
+        settings = plan.settings
+        self.num_model_stages = plan.schedule.num_model_stages
         self._store = WeightGradStore()
         self._fit = WFit(self._store)  # keeps W's share within the schedule's w_memory
-        self._in_b = tuple(weight_grads_in_b)
-        if self.schedule.uses_split_backward:
+        if plan.schedule.uses_split_backward:
             self._enable_split_backward()
         self._meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
         # Saved-tensor hooks and transfer accounting cost host time: on only when asked (the
         # config, or this attribute) and on the steps that log memory.
-        self.measure_memory: bool = measure_memory
+        self.measure_memory: bool = settings.measure_memory
         self._measuring = False
         self.peak_activation_bytes: int | None = None  # None until a step measured it; device-resident bytes
         self.peak_host_activation_bytes: int | None = None  # offloaded to host memory, same steps
         self.peak_memory_bytes: int | None = None  # activations plus transfer buffers in flight, same steps
         self.peak_inflight_bytes = 0
-        self._seq = SeqChunks(self.stage_id, partition=seq_partition, dims=seq_dims)
-        self._p2p = self._make_p2p(p2p_timeout_s)
-        self._p2p.warm_up(warm_up_peers(contact_pairs(programs(schedule)), self.stage_id))  # NCCL first contacts, one global order
+        self._seq = SeqChunks(self.stage_id, partition=settings.seq_partition, dims=settings.seq_dims)
+        self._p2p = self._make_p2p(settings.p2p_timeout_s)
+        self._p2p.warm_up(warm_up_peers(contact_pairs(plan.programs), self.stage_id))  # NCCL first contacts, one global order
         self._zero_reducer = self._stage_grad_reducer()
-        self._init_step(post_validation=post_validation, speculate_after=speculate_after)
+        self._init_step(post_validation=settings.post_validation, speculate_after=settings.speculate_after)
         self._train_ir = self._ir(self.schedule)
-        self._offload = Offloader(self._meter, share=offload, device=self.device, rank=self.stage_id,
+        self._offload = Offloader(self._meter, share=settings.offload, device=self.device, rank=self.stage_id,
                                   parked=lambda: self._store.parked_bytes)
         self._reset_step_state()
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule this engine runs (its plan's)."""
+        return self._plan.schedule
 
     def _enable_split_backward(self) -> None:
         """Split backward on this rank's stages (a collective when patterns are given: every rank calls it)."""
         enable_for_stages([m for s in self.module.local_stages for m in self.module.stage_modules(s)], self._store,
-                          root=self.module, in_b=self._in_b, device=self.device, log=log.info)
+                          root=self.module, in_b=self._plan.settings.weight_grads_in_b, device=self.device, log=log.info)
 
     def _make_p2p(self, timeout_s: float) -> P2P:
         """Transfers on one 2-rank group per neighbour pair (``p2p_groups``), made on every rank."""
@@ -115,36 +110,47 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
             stream_waits=waits_on_stream(self.device),
         )
 
-    def _check_schedule(self, schedule: Schedule) -> None:
-        """Refuse a schedule this engine cannot run, before any transfer is posted."""
+    def _check_plan(self, plan: Plan) -> None:
+        """Refuse a plan this engine cannot run, before any transfer is posted (its transfers were
+        checked under NCCL's rules when it was made)."""
+        schedule = plan.schedule
         if schedule.stage_to_rank != self._vs_placement:
             raise ValueError(f"module placement {self._vs_placement} does not match schedule placement {schedule.stage_to_rank}")
         if schedule.micro_batches != self.micro_batches:
             raise ValueError(f"schedule {schedule.name!r} was made for {schedule.micro_batches} micro-batches, but DeepSpeed "
                              f"resolved gradient_accumulation_steps={self.micro_batches}")
-        # Every rank checks the whole pipeline's transfers under NCCL's rules before a step
-        # runs: a wrong order fails here with names instead of hanging on the GPUs.
-        check_transfers(programs(schedule))
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
-        """DeepSpeed's batch ramp-up: a new number of micro-batches, and the schedule made for it."""
+        """DeepSpeed's batch ramp-up: a new number of micro-batches, and the plan made for it."""
         old = self.train_batch_size()
         super().set_train_batch_size(train_batch_size)
         try:
-            schedule = self._make_schedule(self.micro_batches)
-            self._check_schedule(schedule)
+            plan = self._plan.for_micro_batches(self.micro_batches)
+            self._check_plan(plan)
         except ValueError as err:
             super().set_train_batch_size(old)  # keep what the current schedule was made for
             raise ValueError(f"set_train_batch_size({train_batch_size}): {err}; the train batch size stays {old}") from None
-        self.schedule = schedule
-        self._train_ir = self._ir(schedule)
+        self._swap_plan(plan)
+
+    def _swap_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from the next step on: the one way this engine's schedule changes (checked first)."""
+        old = self.schedule
+        if plan.schedule.uses_split_backward and not old.uses_split_backward:
+            self._enable_split_backward()
+        if plan.schedule.w_memory != old.w_memory:
+            self._fit.undo()  # the new schedule's bound counts another share (or none): fit anew
+        self._plan = plan
+        self._train_ir = self._ir(plan.schedule)
 
     def _ir(self, schedule: Schedule, *, train: bool = True) -> ins.IRSchedule:
         """The lowered stream, less the data-parallel points this ZeRO stage does not act on."""
         acts_on = self._zero_reducer.OPS if self._zero_reducer is not None else frozenset()
         order = use_global_order(schedule, train=train, dynamic_shapes=self._p2p.dynamic_shape,
                                  one_queue=self._p2p.one_queue, synchronize_at=acts_on)  # the one reading of the queue
-        return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on, global_order=order)
+        # The plan's program of this rank is the default order's, lowered and checked once at initialize.
+        planned = train and not order and schedule is self._plan.schedule
+        return ins.IRSchedule(schedule, self.stage_id, train=train, without=DATA_PARALLEL - acts_on, global_order=order,
+                              lowered=self._plan.programs[self.stage_id] if planned else None)
 
     # ---- placement-aware answers DeepSpeed asks -----------------------------------------
     def is_first_stage(self) -> bool:
@@ -164,7 +170,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         return self._train_ir
 
     def _inference_schedule(self, micro_batches: int) -> ins.IRSchedule:
-        return self._ir(_forward_only(self.schedule, micro_batches), train=False)
+        return self._ir(ins.forward_only(self.schedule, micro_batches), train=False)
 
     # ---- step framing -----------------------------------------------------------------------
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:
@@ -364,15 +370,6 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         ins.SendGrad: TransferHandlersMixin._exec_send_grad,
         **ZeroPipelineMixin.INSTRUCTIONS,
     }
-
-
-def _forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
-    """Forwards of every local stage for every micro-batch (lowering orders them)."""
-    ranks = tuple(
-        tuple(F(s, i) for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == r for i in range(micro_batches))
-        for r in range(schedule.stages)
-    )
-    return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)
 
 
 def _detached(x: Any) -> Any:

@@ -7,11 +7,11 @@ DeepSpeed's own classes; the rest carry (stage, micro_batch, seq_chunk, peer, bu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ...schedules import Schedule
+from ...schedules import F, Schedule
 from ...schedules.lowering import Op, OpKind, lower
 from ...schedules.ops import split_units
 
@@ -19,7 +19,7 @@ __all__ = [
     "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",
     "RecvGrad", "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "ReduceStageGrads", "GatherParams",
     "ReleaseParams", "IRSchedule",
-    "to_instruction",
+    "forward_only", "to_instruction",
 ]
 
 
@@ -137,13 +137,15 @@ class IRSchedule(ds_schedule.PipeSchedule):
     """Adapter: one rank's lowered ops as DeepSpeed's ``PipeSchedule`` (one op per step)."""
 
     def __init__(self, schedule: Schedule, rank: int, *, train: bool = True, without: frozenset[OpKind] = frozenset(),
-                 global_order: bool = False) -> None:
+                 global_order: bool = False, lowered: Sequence[Op] | None = None) -> None:
         """``without``: op kinds this engine would only dispatch as no-ops (each costs host time);
-        ``global_order``: transfers in the step's one global order (``program.transfer_order``)."""
+        ``global_order``: transfers in the step's one global order (``program.transfer_order``);
+        ``lowered``: this rank's ops as lowered already (the plan's program), else lowered here."""
         super().__init__(micro_batches=schedule.micro_batches, stages=schedule.stages, stage_id=rank)
         self.schedule = schedule
         self.global_order = global_order
-        self.ops = [op for op in lower(schedule, rank, train=train, one_queue=global_order) if op.kind not in without]
+        ops = lowered if lowered is not None else lower(schedule, rank, train=train, one_queue=global_order)
+        self.ops = [op for op in ops if op.kind not in without]
         self._instructions = [to_instruction(op) for op in self.ops]
         self.split_units = split_units(self.ops)  # the units whose forwards split backward routes
 
@@ -153,3 +155,12 @@ class IRSchedule(ds_schedule.PipeSchedule):
 
     def num_pipe_buffers(self) -> int:
         return 1 + max((op.buffer for op in self.ops if op.buffer is not None), default=0)
+
+
+def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
+    """Forwards of every local stage for every micro-batch (lowering orders them)."""
+    ranks = tuple(
+        tuple(F(s, i) for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == r for i in range(micro_batches))
+        for r in range(schedule.stages)
+    )
+    return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)

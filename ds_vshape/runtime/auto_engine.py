@@ -24,9 +24,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as log
 
-from ...schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
-from ..program import instructions as ins
-from ..engine import VShapeEngine
+from ..schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
+from .engine import VShapeEngine
+from .program import instructions as ins
 
 __all__ = ["AutoEngine"]
 
@@ -57,9 +57,11 @@ def _now() -> float:
 class AutoEngine(VShapeEngine):
     """A ``VShapeEngine`` that starts with a safe schedule and picks the fastest after measuring."""
 
-    def __init__(self, *args: Any, auto: AutoSettings, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.auto = auto
+        if self._plan.auto is None:
+            raise ValueError("AutoEngine needs a plan made for \"schedule\": \"auto\" (its auto settings)")
+        self.auto: AutoSettings = self._plan.auto
         self.auto_choice: Choice | None = None  # set on every rank once chosen
         self.auto_measured: Measured | None = None  # rank 0's merged figures
         self.auto_step_s: float | None = None  # a step under the chosen schedule, this rank's wall time (see train_batch)
@@ -188,17 +190,12 @@ class AutoEngine(VShapeEngine):
         self._auto_bytes.clear()
 
     def _install(self, choice: Choice) -> None:
-        schedule = make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=self.micro_batches)
-        self._check_schedule(schedule)
-        if schedule.uses_split_backward and not self.schedule.uses_split_backward:
-            self._enable_split_backward()  # with the engine's weight_grads_in_b
-        if schedule.w_memory != self.schedule.w_memory:
-            self._fit.undo()  # the new schedule's bound counts another share (or none): fit anew
-        self.schedule = schedule
-        self._train_ir = self._ir(schedule)
+        # Batch ramp-up from now on remakes the chosen schedule, not the safe one.
+        remake = lambda m: make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=m)  # noqa: E731
+        plan = self._plan.switched(remake, micro_batches=self.micro_batches)
+        self._check_plan(plan)
+        self._swap_plan(plan)
         self._offload.set_share(choice.offload)
-        # Batch ramp-up from now on regenerates the chosen schedule, not the safe one.
-        self._make_schedule = lambda m: make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=m)
         self.auto_choice = choice
 
     _INSTRUCTION_MAP = {
