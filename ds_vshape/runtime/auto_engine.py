@@ -24,9 +24,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as log
 
+from ..schedules import Schedule
 from ..schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
 from .engine import VShapeEngine
 from .program import instructions as ins
+from .program.plan import Plan
 
 __all__ = ["AutoEngine"]
 
@@ -57,11 +59,13 @@ def _now() -> float:
 class AutoEngine(VShapeEngine):
     """A ``VShapeEngine`` that starts with a safe schedule and picks the fastest after measuring."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self._plan.auto is None:
-            raise ValueError("AutoEngine needs a plan made for \"schedule\": \"auto\" (its auto settings)")
-        self.auto: AutoSettings = self._plan.auto
+    def __init__(self, *args: Any, plan: Plan, **kwargs: Any) -> None:
+        """``plan``: made for ``"schedule": "auto"`` (its ``auto`` settings set); its schedule is the
+        placement's safe one, run while measuring."""
+        if plan.auto is None:  # before DeepSpeed builds anything
+            raise ValueError("AutoEngine needs a plan made for \"schedule\": \"auto\" (plan.auto is None)")
+        super().__init__(*args, plan=plan, **kwargs)
+        self.auto: AutoSettings = plan.auto  # what auto chooses from: the same in every plan it swaps in
         self.auto_choice: Choice | None = None  # set on every rank once chosen
         self.auto_measured: Measured | None = None  # rank 0's merged figures
         self.auto_step_s: float | None = None  # a step under the chosen schedule, this rank's wall time (see train_batch)
@@ -190,11 +194,12 @@ class AutoEngine(VShapeEngine):
         self._auto_bytes.clear()
 
     def _install(self, choice: Choice) -> None:
-        # Batch ramp-up from now on remakes the chosen schedule, not the safe one.
-        remake = lambda m: make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=m)  # noqa: E731
-        plan = self._plan.switched(remake, micro_batches=self.micro_batches)
-        self._check_plan(plan)
-        self._swap_plan(plan)
+        """Swap in the plan of ``choice`` (every rank has the same); a later batch ramp-up remakes the
+        chosen schedule, not the safe one."""
+        def remake(micro_batches: int) -> Schedule:
+            return make_chosen(choice, self.auto, stages=self.num_stages, micro_batches=micro_batches)
+
+        self._swap_plan(self._plan.switched(remake, micro_batches=self.micro_batches))
         self._offload.set_share(choice.offload)
         self.auto_choice = choice
 

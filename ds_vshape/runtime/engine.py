@@ -21,6 +21,7 @@ from deepspeed.utils import logger as ds_logger
 from ..schedules import Kind, Schedule
 from ..schedules.ir import Unit
 from ..schedules.first_contact import contact_pairs, warm_up_peers
+from ..schedules.lowering import forward_only
 from ..schedules.fit_limit import moved_share_limit
 from ..schedules.ops import DATA_PARALLEL
 from .dropin import checkpoint as ckpt
@@ -125,15 +126,15 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         old = self.train_batch_size()
         super().set_train_batch_size(train_batch_size)
         try:
-            plan = self._plan.for_micro_batches(self.micro_batches)
-            self._check_plan(plan)
+            self._swap_plan(self._plan.for_micro_batches(self.micro_batches))
         except ValueError as err:
             super().set_train_batch_size(old)  # keep what the current schedule was made for
             raise ValueError(f"set_train_batch_size({train_batch_size}): {err}; the train batch size stays {old}") from None
-        self._swap_plan(plan)
 
     def _swap_plan(self, plan: Plan) -> None:
-        """Run ``plan`` from the next step on: the one way this engine's schedule changes (checked first)."""
+        """Run ``plan`` from the next step on: the one way this engine's schedule changes (batch ramp-up,
+        auto's choice). Checked first: a plan this engine cannot run leaves the engine as it was."""
+        self._check_plan(plan)
         old = self.schedule
         if plan.schedule.uses_split_backward and not old.uses_split_backward:
             self._enable_split_backward()
@@ -170,7 +171,7 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         return self._train_ir
 
     def _inference_schedule(self, micro_batches: int) -> ins.IRSchedule:
-        return self._ir(ins.forward_only(self.schedule, micro_batches), train=False)
+        return self._ir(forward_only(self.schedule, micro_batches), train=False)
 
     # ---- step framing -----------------------------------------------------------------------
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:

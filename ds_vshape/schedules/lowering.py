@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
-from .ir import Action, Kind, Schedule
+from .ir import Action, F, Kind, Schedule
 from .ops import BACKWARDS, COMPUTE, SENDS, Op, OpKind, format_ops
 from .one_queue import GlobalKey, place_posts_in_global_order, transfer_keys
 from .p2p_order import Pair, group_crossing, pair_orders, place_posts
@@ -46,6 +46,7 @@ from .p2p_order import Pair, group_crossing, pair_orders, place_posts
 __all__ = [
     "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
     "assign_buffers", "first_sends", "mark_shape_headers", "add_stage_reduces", "add_param_gathers", "add_step_tail", "format_ops", "programs",
+    "forward_only",
 ]
 
 
@@ -240,6 +241,17 @@ def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int =
 def programs(schedule: Schedule, *, train: bool = True, lookahead: int = 2, one_queue: bool = False) -> list[list[Op]]:
     """Every rank's lowered ops (what ``check_transfers`` takes)."""
     return [lower(schedule, r, train=train, lookahead=lookahead, one_queue=one_queue) for r in range(schedule.stages)]
+
+
+
+def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
+    """Evaluation's schedule: forwards of every stage for every micro-batch on the stage's rank
+    (``lower(..., train=False)`` orders them as a wavefront)."""
+    ranks = tuple(
+        tuple(F(s, i) for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == r for i in range(micro_batches))
+        for r in range(schedule.stages)
+    )
+    return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)
 
 
 @lru_cache(maxsize=32)

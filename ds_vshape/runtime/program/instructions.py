@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ...schedules import F, Schedule
+from ...schedules import Schedule
 from ...schedules.lowering import Op, OpKind, lower
 from ...schedules.ops import split_units
 
@@ -19,7 +19,7 @@ __all__ = [
     "LoadMicroBatch", "PostRecvActivation", "RecvActivation", "ForwardPass", "SendActivation", "PostRecvGrad",
     "RecvGrad", "BackwardInput", "BackwardWeight", "FusedBackward", "SendGrad", "ReduceStageGrads", "GatherParams",
     "ReleaseParams", "IRSchedule",
-    "forward_only", "to_instruction",
+    "to_instruction",
 ]
 
 
@@ -155,12 +155,3 @@ class IRSchedule(ds_schedule.PipeSchedule):
 
     def num_pipe_buffers(self) -> int:
         return 1 + max((op.buffer for op in self.ops if op.buffer is not None), default=0)
-
-
-def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
-    """Forwards of every local stage for every micro-batch (lowering orders them)."""
-    ranks = tuple(
-        tuple(F(s, i) for s in range(schedule.num_model_stages) if schedule.stage_to_rank[s] == r for i in range(micro_batches))
-        for r in range(schedule.stages)
-    )
-    return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)

@@ -9,8 +9,9 @@ change (DeepSpeed's batch ramp-up, auto's choice) is a new plan the engine swaps
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from ...schedules import Schedule
 from ...schedules.auto import AutoSettings
@@ -30,8 +31,8 @@ class EngineSettings:
     post_validation: bool = False  # step on local information, check the global norm later (step_end/post_validation)
     speculate_after: int | None = None  # steps that stood before the next step starts ahead of the check
     offload: float = 0.0  # share of each rank's activation sent to host memory (runtime/offload)
-    seq_partition: str = "equal"  # where sequence chunks are cut: "equal" or "compute" (program/seq_chunks)
-    seq_dims: Mapping[str, int] | None = None  # "compute": the model's dimensions the cut is computed from
+    seq_partition: Literal["equal", "compute"] = "equal"  # where sequence chunks are cut (program/seq_chunks)
+    seq_dims: dict[str, int] | None = None  # "compute": the model's dimensions the cut is computed from
     weight_grads_in_b: tuple[str, ...] = ()  # module-path patterns whose weight gradients B computes
 
 
@@ -47,6 +48,8 @@ class Plan:
     programs: tuple[tuple[Op, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Lowered as ``IRSchedule`` lowers a rank's training step by default (lookahead, per-pair
+        # order): the engine runs its rank's program from here unless it needs the one global order.
         lowered = tuple(tuple(ops) for ops in programs(self.schedule))
         check_transfers(lowered)  # raises TransferOrderError (a ValueError) naming the ranks and ops
         object.__setattr__(self, "programs", lowered)
