@@ -56,7 +56,7 @@ from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
 from recipes.train_hf import SIZES, seed_layer  # noqa: E402
 
-__all__ = ["WAYS", "Stage", "build", "main", "measure", "render"]
+__all__ = ["WAYS", "Stage", "build", "main", "measure", "render", "run_stage"]
 
 WAYS = ("forward", "fused", "torch split", "ds_vshape")
 PASSES = ("F", "B", "W")
@@ -105,12 +105,12 @@ def build(*, blocks: int, seq_len: int, micro_batch: int, size: str = "tiny", sh
     split = [copy.deepcopy(m) for m in stage]
     enable_split_backward(split, store)
     modules = {"forward": stage, "fused": stage, "torch split": [copy.deepcopy(m) for m in stage], "ds_vshape": split}
-    out = _run(stage, x0)
+    out = run_stage(stage, x0)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(SEED + 1)).to(device=device, dtype=out.dtype)
     return Stage(modules, store, x0, grad, device=torch.device(device))
 
 
-def _run(modules: list[nn.Module], x: Any) -> torch.Tensor:
+def run_stage(modules: list[nn.Module], x: Any) -> torch.Tensor:
     for m in modules:
         x = m(x)
     return x[0] if isinstance(x, tuple) else x
@@ -166,7 +166,7 @@ def _passes(stage: Stage, way: str, modules: list[nn.Module], x: tuple[Any, ...]
         stage.key += 1
         key, store = stage.key, stage.store
         with store.forward_of(key, scope="stage"):
-            out = clock("F", lambda: _run(modules, x))
+            out = clock("F", lambda: run_stage(modules, x))
         with store.deferring(key):
             clock("B", lambda: torch.autograd.backward(out, stage.grad))
         del out
@@ -174,7 +174,7 @@ def _passes(stage: Stage, way: str, modules: list[nn.Module], x: tuple[Any, ...]
         clock("W", lambda: store.run(key))
         clock.kept = before - clock.allocated()
         return
-    out = clock("F", lambda: _run(modules, x))
+    out = clock("F", lambda: run_stage(modules, x))
     if way == "fused":
         clock("B", lambda: torch.autograd.backward(out, stage.grad))
     elif way == "torch split":

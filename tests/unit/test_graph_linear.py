@@ -265,6 +265,15 @@ def test_the_host_stage_benchmark_runs_every_way(tmp_path: Any) -> None:
     assert "x fused" in text and "F x plain" in text
 
 
+def test_the_split_parts_benchmark_prints_every_variant(capsys: Any) -> None:
+    """``benchmarks/split_parts.py`` (each variant in a process of its own), a few reps: a row per variant."""
+    from benchmarks import split_parts
+
+    assert split_parts.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line.endswith("x |")]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(split_parts.VARIANTS)
+
+
 def _warm(block: nn.Module, store: WeightGradStore) -> None:
     """The scope's first forward (routed whole) done, gradients cleared: later forwards split on the graph."""
     _split(block, store, _inputs(1))

@@ -1,0 +1,141 @@
+"""Where split backward's host time goes on one stage (issue 28): each part measured by taking it out.
+
+    OMP_NUM_THREADS=1 python benchmarks/split_parts.py [--seq-len 16 --micro-batch 1]
+
+The stage of ``host_stage.py`` (tiny Llama blocks, one thread: wall time is host time). Each
+variant runs in a process of its own with the plain stage beside it, taking turns pass by pass,
+and is reported against it:
+
+* ``F``: the forward routed for split backward, against a plain forward;
+* ``F, no capture``: the same without the pre-hook each linear layer puts on its GEMM node (what
+  registering it costs; the weight gradients are then lost: timing only);
+* ``F, no hooks``: without the decoder blocks' forward hooks (the routing's entry points);
+* ``B``: B against a backward whose linear weights are frozen (the same GEMMs: input gradients only);
+* ``B, empty capture``: B with each pre-hook returning at once (the hook's call, not its work).
+
+The figures are medians over ``--reps`` micro-batches, printed as a markdown table
+(``benchmarks/results/split_parts.md`` is one run's output, redirected there).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads its thread pools
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # host time on a CPU thread; and no accelerator notice in the table
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import cpu_model  # noqa: E402
+from benchmarks.host_stage import build, run_stage  # noqa: E402
+from ds_vshape.runtime.split import graph_linear  # noqa: E402
+
+__all__ = ["VARIANTS", "main"]
+
+VARIANTS = ("F", "F, no capture", "F, no hooks", "B", "B, empty capture")
+
+
+def _take_out(variant: str, modules: list[torch.nn.Module]) -> None:
+    """Remove the variant's part from the split stage (timing only: gradients may be wrong after)."""
+    if variant == "F, no capture":
+        routed = graph_linear.SplitLinear.forward
+
+        def forward(self: graph_linear.SplitLinear, input: torch.Tensor) -> torch.Tensor:
+            plan = self._ds_vshape_bound.store.linear_plan(input, self.weight, self.bias)
+            return F.linear(input, self.weight.detach(), self.bias) if plan == graph_linear.GRAPH else routed(self, input)
+
+        graph_linear.SplitLinear.forward = forward  # type: ignore[method-assign]
+    elif variant == "F, no hooks":
+        for m in modules:
+            m._forward_pre_hooks.clear()
+            m._forward_hooks.clear()
+            m._forward_hooks_always_called.clear()
+    elif variant == "B, empty capture":
+        graph_linear._Capture.__call__ = lambda self, grads: None  # type: ignore[method-assign]
+
+
+def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(median seconds of the variant's pass, of the plain stage's same pass)."""
+    stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch)
+    split, plain = stage.modules["ds_vshape"], stage.modules["fused"]
+    _take_out(variant, split)
+    if variant.startswith("B"):  # the plain stage's backward: the same GEMMs, input gradients only
+        for mod in plain:
+            for sub in mod.modules():
+                if isinstance(sub, torch.nn.Linear):
+                    sub.weight.requires_grad_(False)
+    timed = "F" if variant.startswith("F") else "B"
+    mine, base = [], []
+    gc.disable()
+    for rep in range(args.warmup + args.reps):
+        stage.key += 1
+        x = stage.inputs()
+        start = time.perf_counter()
+        with stage.store.forward_of(stage.key, scope="stage"):
+            out = run_stage(split, x)
+        f = time.perf_counter() - start
+        start = time.perf_counter()
+        with stage.store.deferring(stage.key):
+            torch.autograd.backward(out, stage.grad)
+        b = time.perf_counter() - start
+        stage.store.run(stage.key)
+        x = stage.inputs()
+        start = time.perf_counter()
+        out = run_stage(plain, x)
+        pf = time.perf_counter() - start
+        start = time.perf_counter()
+        torch.autograd.backward(out, stage.grad)
+        pb = time.perf_counter() - start
+        for mod in (*split, *plain):
+            mod.zero_grad(set_to_none=True)
+        if rep >= args.warmup:
+            mine.append(f if timed == "F" else b)
+            base.append(pf if timed == "F" else pb)
+        if rep % 50 == 0:
+            gc.collect()
+    gc.enable()
+    return statistics.median(mine), statistics.median(base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--variant", choices=VARIANTS, help="run one variant here (the parent runs each in a process)")
+    args = ap.parse_args(argv)
+    if args.variant is not None:
+        mine, base = _one(args.variant, args)
+        print(f"{mine!r} {base!r}")
+        return 0
+    given = " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# Split backward's parts (issue 28)\n\nCommand: `OMP_NUM_THREADS=1 python benchmarks/split_parts.py {given}`."
+          f"\n{args.blocks} tiny Llama blocks, micro-batch {args.micro_batch}x{args.seq_len} tokens, torch {torch.__version__},"
+          f" 1 thread, CPU {cpu_model() or 'unknown'}; each row a process of its own, median of {args.reps} against the plain stage"
+          " in the same process (its column).\n")
+    print("| variant | ms | plain's ms | x plain |\n|---|--:|--:|--:|")
+    for variant in VARIANTS:
+        cmd = [sys.executable, __file__, "--variant", variant, *(argv if argv is not None else sys.argv[1:])]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
+        mine, base = float(out[-2]), float(out[-1])
+        print(f"| {variant} | {mine * 1e3:.3f} | {base * 1e3:.3f} | {mine / base:.3f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
