@@ -56,7 +56,7 @@ from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
 from recipes.train_hf import SIZES, seed_layer  # noqa: E402
 
-__all__ = ["WAYS", "Stage", "build", "main", "measure", "render", "run_stage"]
+__all__ = ["WAYS", "Stage", "build", "main", "measure", "render", "run_stage", "stage_parser"]
 
 WAYS = ("forward", "fused", "torch split", "ds_vshape")
 PASSES = ("F", "B", "W")
@@ -244,18 +244,24 @@ def render(medians: dict[str, dict[str, float]], *, setting: str, command: str) 
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stage_parser(description: str, *, reps: int) -> argparse.ArgumentParser:
+    """The stage's size and the timing's repetitions, as this bench and the benches built on its stage take them."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--blocks", type=int, default=4, help="decoder blocks in the stage")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--reps", type=int, default=reps, help="timed micro-batches per way")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed micro-batches per way first")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = stage_parser(__doc__.split("\n\n")[0], reps=200)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the recipe's model size")
     parser.add_argument("--shape", type=int, nargs=4, metavar=("HIDDEN", "FFN", "HEADS", "KV_HEADS"),
                         help="blocks of this shape instead of --size (Llama-3-8B: 4096 14336 32 8)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU tier's shapes")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the stage's parameters and activations")
-    parser.add_argument("--reps", type=int, default=200, help="timed micro-batches per way")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed micro-batches per way first")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_stage.md", help="report path")
     return parser.parse_args(argv)
 

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import cpu_model  # noqa: E402
-from benchmarks.host_stage import build, run_stage  # noqa: E402
+from benchmarks.host_stage import build, run_stage, stage_parser  # noqa: E402
 from ds_vshape.runtime.split import graph_linear  # noqa: E402
 
 __all__ = ["VARIANTS", "main"]
@@ -111,12 +111,7 @@ def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap = stage_parser(__doc__.split("\n\n")[0], reps=300)
     ap.add_argument("--variant", choices=VARIANTS, help="run one variant here (the parent runs each in a process)")
     args = ap.parse_args(argv)
     if args.variant is not None:
