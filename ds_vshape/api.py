@@ -70,7 +70,7 @@ def initialize(
         for note in offload_notes(vs.offload_share, checkpoint_interval=module.activation_checkpoint_interval,
                                   split_backward=schedule.uses_split_backward):
             logger.warning(note)
-    plan = _make_plan(vs, schedule, model.num_stages, config_dict, module=module)
+    plan = _make_plan(vs, schedule, config_dict, module=module)
     engine = (AutoEngine if plan.auto is not None else VShapeEngine)(
         args=args, model=module, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=kwargs.get("dist_init_required"),
@@ -80,8 +80,7 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _make_plan(vs: PipelineConfig, schedule: Schedule, stages: int, config: dict[str, Any], *,
-               module: PipelineModule) -> Plan:
+def _make_plan(vs: PipelineConfig, schedule: Schedule, config: dict[str, Any], *, module: PipelineModule) -> Plan:
     """The one plan the engine runs by: the schedule made here, once (the engine never reads the
     config), how to remake it for a new batch size, the engine's settings and auto's."""
     settings = EngineSettings(
@@ -93,7 +92,7 @@ def _make_plan(vs: PipelineConfig, schedule: Schedule, stages: int, config: dict
     auto = None
     if vs.schedule == "auto":
         auto = vs.auto_settings(zero_stage=_zero_stage(config), stages=schedule.stages, micro_batches=schedule.micro_batches)
-    return Plan(schedule, partial(vs.make_schedule, stages), settings, auto=auto)
+    return Plan(schedule, partial(vs.make_schedule, schedule.stages), settings, auto=auto)
 
 
 def _carry_optimizer_setup(model: DSPipelineModule, module: PipelineModule, optimizer: Any, model_parameters: Any,

@@ -8,7 +8,7 @@ times the whole step (see ``_times_passes``). After it the pipeline
 ranks time a round trip of that message between neighbours, every rank's figures are
 gathered, global rank 0 simulates every schedule of the placement with them
 (``schedules.auto.pick``) and broadcasts its choice; every rank builds the chosen schedule
-and runs it from the next step on, as ``set_train_batch_size`` swaps schedules. The log
+and runs it from the next step on: the engine swaps in its plan, as for a batch ramp-up. The log
 states the choice and its predicted step time, and after the next step the measured one.
 """
 
@@ -65,7 +65,6 @@ class AutoEngine(VShapeEngine):
         if plan.auto is None:  # before DeepSpeed builds anything
             raise ValueError("AutoEngine needs a plan made for \"schedule\": \"auto\" (plan.auto is None)")
         super().__init__(*args, plan=plan, **kwargs)
-        self.auto: AutoSettings = plan.auto  # what auto chooses from: the same in every plan it swaps in
         self.auto_choice: Choice | None = None  # set on every rank once chosen
         self.auto_measured: Measured | None = None  # rank 0's merged figures
         self.auto_step_s: float | None = None  # a step under the chosen schedule, this rank's wall time (see train_batch)
@@ -76,6 +75,12 @@ class AutoEngine(VShapeEngine):
         self._auto_message = 0
         self._auto_step_time = 0.0
         self._auto_chosen_steps = 0
+
+    @property
+    def auto(self) -> AutoSettings:
+        """What auto chooses from and within (its plan's; the same in every plan it swaps in)."""
+        assert self._plan.auto is not None  # refused in __init__ otherwise
+        return self._plan.auto
 
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:
         step, choosing = self._auto_steps + 1, self.auto_choice is None
