@@ -3,13 +3,17 @@
     OMP_NUM_THREADS=1 python benchmarks/split_parts.py [--seq-len 16 --micro-batch 1]
 
 The stage of ``host_stage.py`` (tiny Llama blocks, one thread: wall time is host time). Each
-variant runs in a process of its own with the plain stage beside it, taking turns pass by pass,
-and is reported against it:
+variant runs in a process of its own with the plain stage beside it, taking turns micro-batch by
+micro-batch (which side goes first alternates), and is reported against it:
 
+* ``control``: a plain copy of the stage in the split's place, its forward against the plain
+  stage's: what the harness itself tells apart (a figure within its distance of 1 is nothing);
 * ``F``: the forward routed for split backward, against a plain forward;
 * ``F, no capture``: the same without the pre-hook each linear layer puts on its GEMM node (what
   registering it costs; the weight gradients are then lost: timing only);
 * ``F, no hooks``: without the decoder blocks' forward hooks (the routing's entry points);
+* ``F, GEMM only``: without both: what is left is each linear layer's plan and its GEMM on the
+  detached weight;
 * ``B``: B against a backward whose linear weights are frozen (the same GEMMs: input gradients only);
 * ``B, empty capture``: B with each pre-hook returning at once (the hook's call, not its work).
 
@@ -40,17 +44,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import cpu_model  # noqa: E402
-from benchmarks.host_stage import build, run_stage, stage_parser  # noqa: E402
+from benchmarks.host_stage import Stage, build, run_stage, stage_parser  # noqa: E402
 from ds_vshape.runtime.split import graph_linear  # noqa: E402
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("F", "F, no capture", "F, no hooks", "B", "B, empty capture")
+VARIANTS = ("control", "F", "F, no capture", "F, no hooks", "F, GEMM only", "B", "B, empty capture")
 
 
 def _take_out(variant: str, modules: list[torch.nn.Module]) -> None:
     """Remove the variant's part from the split stage (timing only: gradients may be wrong after)."""
-    if variant == "F, no capture":
+    if variant in ("F, no capture", "F, GEMM only"):
         routed = graph_linear.SplitLinear.forward
 
         def forward(self: graph_linear.SplitLinear, input: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,7 @@ def _take_out(variant: str, modules: list[torch.nn.Module]) -> None:
             return F.linear(input, self.weight.detach(), self.bias) if plan == graph_linear.GRAPH else routed(self, input)
 
         graph_linear.SplitLinear.forward = forward  # type: ignore[method-assign]
-    elif variant == "F, no hooks":
+    if variant in ("F, no hooks", "F, GEMM only"):
         for m in modules:
             m._forward_pre_hooks.clear()
             m._forward_hooks.clear()
@@ -70,44 +74,61 @@ def _take_out(variant: str, modules: list[torch.nn.Module]) -> None:
 def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:
     """(median seconds of the variant's pass, of the plain stage's same pass)."""
     stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch)
-    split, plain = stage.modules["ds_vshape"], stage.modules["fused"]
+    # The control times a plain copy of the stage in the split's place: what the harness itself tells apart.
+    split = stage.modules["torch split" if variant == "control" else "ds_vshape"]
+    plain = stage.modules["fused"]
     _take_out(variant, split)
     if variant.startswith("B"):  # the plain stage's backward: the same GEMMs, input gradients only
         for mod in plain:
             for sub in mod.modules():
                 if isinstance(sub, torch.nn.Linear):
                     sub.weight.requires_grad_(False)
-    timed = "F" if variant.startswith("F") else "B"
+    timed = 0 if variant.startswith("F") or variant == "control" else 1
     mine, base = [], []
     gc.disable()
     for rep in range(args.warmup + args.reps):
-        stage.key += 1
-        x = stage.inputs()
-        start = time.perf_counter()
-        with stage.store.forward_of(stage.key, scope="stage"):
-            out = run_stage(split, x)
-        f = time.perf_counter() - start
-        start = time.perf_counter()
-        with stage.store.deferring(stage.key):
-            torch.autograd.backward(out, stage.grad)
-        b = time.perf_counter() - start
-        stage.store.run(stage.key)
-        x = stage.inputs()
-        start = time.perf_counter()
-        out = run_stage(plain, x)
-        pf = time.perf_counter() - start
-        start = time.perf_counter()
-        torch.autograd.backward(out, stage.grad)
-        pb = time.perf_counter() - start
+        # Which side runs first alternates: a pass right after the other side's W or backward finds
+        # the caches in another state than one after its own stage's zero_grad.
+        if rep % 2:
+            theirs, ours = _plain_passes(stage, plain), _split_passes(stage, split)
+        else:
+            ours, theirs = _split_passes(stage, split), _plain_passes(stage, plain)
         for mod in (*split, *plain):
             mod.zero_grad(set_to_none=True)
         if rep >= args.warmup:
-            mine.append(f if timed == "F" else b)
-            base.append(pf if timed == "F" else pb)
+            mine.append(ours[timed])
+            base.append(theirs[timed])
         if rep % 50 == 0:
             gc.collect()
     gc.enable()
     return statistics.median(mine), statistics.median(base)
+
+
+def _split_passes(stage: Stage, split: list[torch.nn.Module]) -> tuple[float, float]:
+    """(F, B) seconds of one split micro-batch; its W runs after, untimed."""
+    stage.key += 1
+    x = stage.inputs()
+    start = time.perf_counter()
+    with stage.store.forward_of(stage.key, scope="stage"):
+        out = run_stage(split, x)
+    f = time.perf_counter() - start
+    start = time.perf_counter()
+    with stage.store.deferring(stage.key):
+        torch.autograd.backward(out, stage.grad)
+    b = time.perf_counter() - start
+    stage.store.run(stage.key)
+    return f, b
+
+
+def _plain_passes(stage: Stage, plain: list[torch.nn.Module]) -> tuple[float, float]:
+    """(F, B) seconds of one plain micro-batch."""
+    x = stage.inputs()
+    start = time.perf_counter()
+    out = run_stage(plain, x)
+    f = time.perf_counter() - start
+    start = time.perf_counter()
+    torch.autograd.backward(out, stage.grad)
+    return f, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
