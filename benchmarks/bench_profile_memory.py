@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         append_jsonl(args.out, {"kind": "setup", "p": p, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     plan = [(rnd, method, schedule, in_b, w) for rnd in range(args.rounds) for method in args.methods for schedule in args.schedules
             for in_b in ([], *args.in_b) for w in (args.w_memory or [None])
-            if get_info(schedule).split_backward or (not in_b and w in (None, args.w_memory[0]))]
+            if get_info(schedule).split_backward or (not in_b and w in (None, *args.w_memory[:1]))]
     records = []
     for rnd, method, schedule, in_b, w in plan:
         t0 = time.perf_counter()

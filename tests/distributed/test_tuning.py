@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from ds_vshape.schedules import Schedule
+from ds_vshape.schedules.cut_refine import refine_cut
 from ds_vshape.schedules.partition import LayerCost, cut_layers
 
 from .launch import ALL_RULES, by_case, launch
@@ -74,7 +76,8 @@ def test_profile_and_auto_match_the_reference_under_nccl_rules(results_nccl: dic
 
 
 def _trained(results: dict, name: str, *, slack: float = 0.02) -> list[dict[str, Any]]:
-    """Parity, one cut on every rank, and that cut is the pure cut of the measured costs."""
+    """Parity, one cut on every rank, and that cut is the pure cut of the measured costs (refined for the
+    schedule where a rank holds several stages)."""
     ranks = results[name]
     _assert_parity(name, ranks)
     assert all(r["method"] == "profile" for r in ranks), ranks
@@ -82,6 +85,7 @@ def _trained(results: dict, name: str, *, slack: float = 0.02) -> list[dict[str,
     costs = [LayerCost(*c) for c in ranks[0]["costs"]]
     assert all(r["costs"] == ranks[0]["costs"] for r in ranks), "every rank holds the same measured costs"
     cut = cut_layers(costs, ranks[0]["placement"], inflight=ranks[0]["inflight"], time_slack=slack)
+    cut = refine_cut(cut, costs, Schedule.from_json(ranks[0]["schedule"]), inflight=ranks[0]["inflight"], time_slack=slack)
     assert list(cut.parts) == ranks[0]["parts"], (cut, ranks[0]["costs"])
     return ranks
 

@@ -66,6 +66,7 @@ def profile(case: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "ref_losses": ref_losses, "param_diff": w._param_diff(engine, ref, case),
             "parts": [int(b) for b in engine.module.stage_parts], "method": engine.module._vs_partition_method,
             "placement": list(engine.module.placement), "inflight": list(profile.inflight),
+            "schedule": engine.schedule.to_json(),
             "costs": [[c.time, c.activation_bytes, c.param_bytes] for c in profile.costs]}
 
 
