@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads its thread p
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # host time on a CPU thread; and no accelerator notice in the table
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -75,8 +76,8 @@ def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:
     """(median seconds of the variant's pass, of the plain stage's same pass)."""
     stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch)
     # The control times a plain copy of the stage in the split's place: what the harness itself tells apart.
-    split = stage.modules["torch split" if variant == "control" else "ds_vshape"]
     plain = stage.modules["fused"]
+    split = copy.deepcopy(plain) if variant == "control" else stage.modules["ds_vshape"]
     _take_out(variant, split)
     if variant.startswith("B"):  # the plain stage's backward: the same GEMMs, input gradients only
         for mod in plain:

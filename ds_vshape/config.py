@@ -64,8 +64,9 @@ class PipelineConfig(BaseModel):
         "initialize: {\"inputs\": {\"shape\": [rows, ...], \"dtype\": ..., \"high\": ...}, \"labels\": ...}.")
     profile_time_slack: float = Field(
         0.02, ge=0, description="partition_method 'profile': among the cuts whose busiest rank is within this share of the "
-        "least busiest-rank time (0.02: measurement noise), the one whose busiest rank holds the least memory; where a "
-        "rank holds several stages, within this share of the least simulated step of the schedule instead.")
+        "least busiest-rank time (0.02: measurement noise), the one whose busiest rank holds the least memory. Where a "
+        "rank holds several stages, that cut is then moved toward a shorter simulated step of the schedule, and the same "
+        "share of the shortest step found is traded for memory again.")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive, or a collective that ends the step "
                                  "(gradient all-reduce, global norm, loss broadcast), may take before the step fails with a "
                                  "named error.")

@@ -9,12 +9,14 @@ tie exactly on rank sums, and the memory tie-break of ``cut_layers`` then picks 
 the least activation, however its stages run.
 
 ``refine_cut`` judges a cut by the step the schedule's simulator gives when each stage's
-passes take its layers' share of the time (``Costs.stage_scale``). From the cut it is given, and
-again from the cut whose longest stage is shortest, it moves one stage boundary at a time to the
-position that shortens the simulated step most, until no move does, and keeps the shorter; then, among cuts whose step is within ``time_slack`` of that one, it moves
-boundaries the same way toward less busiest-rank memory (the trade ``cut_layers`` makes,
-judged by the step instead of the rank sums). The search counts simulations, not seconds,
-so every rank and every run gets the same cut.
+passes take its layers' share of the time (``Costs.stage_scale``). It searches from the cut
+it is given and from a cut whose longest stage is shortest, each time taking the move
+(``partition.boundary_moves``) that shortens the simulated step most, until none does. Then,
+among cuts within ``time_slack`` of the shortest step found, it moves toward less memory on
+the busiest rank, from every start and search result within that limit, and keeps the
+leanest (the trade ``cut_layers`` makes, judged by the step instead of the rank sums). It is
+a local search: its step is the least it found, never longer than the given cut's (with
+``time_slack`` 0). It counts simulations, not seconds, so every run gets the same cut.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from collections.abc import Callable, Sequence
 
 from .costs import Costs
 from .ir import Schedule
-from .partition import Cut, LayerCost, cut_layers, rank_loads
+from .partition import Cut, LayerCost, boundary_moves, cut_layers, rank_loads, slack_limit
 from .simulate import simulate
 
 __all__ = ["refine_cut", "simulated_step"]
 
-# Each simulation walks the whole schedule once; this bounds the search on large models (the
-# cut found by then is kept: never worse than the one given).
-_SIMULATIONS = 4_000
+# Simulations one refinement may run: each walks the whole schedule once, milliseconds at p=8
+# and 32 micro-batches, and the other ranks wait for rank 0's cut meanwhile.
+_SIMULATIONS = 1_500
+
+Parts = tuple[int, ...]
 
 
 def simulated_step(parts: Sequence[int], costs: Sequence[LayerCost], schedule: Schedule) -> float:
@@ -47,61 +51,64 @@ def simulated_step(parts: Sequence[int], costs: Sequence[LayerCost], schedule: S
 def refine_cut(cut: Cut, costs: Sequence[LayerCost], schedule: Schedule, *, inflight: Sequence[float] | None = None,
                time_slack: float = 0.02) -> Cut:
     """``cut`` with its boundaries moved to shorten ``schedule``'s simulated step, then to lighten the busiest
-    rank's memory within ``time_slack`` of that step; ``cut`` itself where a rank holds one stage."""
+    rank's memory within ``time_slack`` of that step; ``cut`` itself where every rank holds one stage."""
     placement = tuple(schedule.stage_to_rank)
-    if len(cut.parts) != len(placement) + 1:
-        raise ValueError(f"the cut has {len(cut.parts) - 1} stages, {schedule.name}'s placement {len(placement)}")
+    parts = tuple(int(b) for b in cut.parts)
+    if len(parts) != len(placement) + 1 or parts[0] != 0 or parts[-1] != len(costs) or any(a >= b for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"the cut {list(parts)} is not {len(placement)} non-empty stages of {len(costs)} layers "
+                         f"({schedule.name}'s placement {list(placement)})")
     if len(set(placement)) == len(placement):
         return cut  # one stage per rank: the rank sums are the stages, cut_layers balanced them
     held = tuple(inflight) if inflight is not None else (1.0,) * len(placement)
-    budget = [_SIMULATIONS]
-    steps: dict[tuple[int, ...], float] = {}
+    step = _Counted(lambda q: simulated_step(q, costs, schedule))
 
-    def step(parts: tuple[int, ...]) -> float:
-        if parts not in steps:
-            budget[0] -= 1
-            steps[parts] = simulated_step(parts, costs, schedule)
-        return steps[parts]
+    def memory(q: Parts) -> float:
+        return max(rank_loads(q, costs, placement, inflight=held)[1])
 
-    def memory(parts: tuple[int, ...]) -> float:
-        return max(rank_loads(parts, costs, placement, inflight=held)[1])
-
-    # Two starts: the cut given, and the cut whose longest stage is shortest (each stage as if a rank
-    # of its own): rank sums tie across cuts that only a move of several boundaries at once joins.
-    even = cut_layers(costs, tuple(range(len(placement))), inflight=held, time_slack=time_slack).parts
-    starts = [tuple(int(b) for b in cut.parts), tuple(int(b) for b in even)]
-    parts = min((_descend(start, lambda q: (step(q),), budget) for start in starts), key=step)
-    limit = step(parts) * (1 + time_slack) + 1e-12
-    parts = _descend(parts, lambda q: (memory(q), step(q)), budget, admissible=lambda q: step(q) <= limit)
-    times, mem = rank_loads(parts, costs, placement, inflight=held)
-    return Cut(parts, times, mem)
+    # A cut whose longest stage is shortest (each stage as if a rank of its own): rank sums tie across
+    # cuts that only several moves together join, and the balanced one is among the good ones.
+    even = tuple(int(b) for b in cut_layers(costs, tuple(range(len(placement))), inflight=held, time_slack=0.0).parts)
+    starts = [parts, even]
+    found = [_descend(start, step, step) for start in starts]
+    limit = slack_limit(min(step(q) for q in found), time_slack)
+    lean = [_descend(q, memory, step, limit=limit) for q in (*starts, *found) if step(q) <= limit]
+    best = min(lean, key=lambda q: (memory(q), step(q)))
+    times, mem = rank_loads(best, costs, placement, inflight=held)
+    return Cut(best, times, mem)
 
 
-def _descend(parts: tuple[int, ...], key: Callable[[tuple[int, ...]], tuple[float, ...]], budget: list[int], *,
-             admissible: Callable[[tuple[int, ...]], bool] = lambda q: True) -> tuple[int, ...]:
-    """Move one interior boundary at a time to the admissible position with the least ``key`` (keys
-    within a relative 1e-9 count as equal, the first found kept), until no move lowers it."""
-    best = key(parts)
-    while budget[0] > 0:
-        move = None
-        for i in range(1, len(parts) - 1):
-            for pos in range(parts[i - 1] + 1, parts[i + 1]):
-                if pos == parts[i] or budget[0] <= 0:
-                    continue
-                q = parts[:i] + (pos,) + parts[i + 1:]
-                if admissible(q) and _lower(key(q), best if move is None else move[1]):
-                    move = (q, key(q))
-        if move is None:
+class _Counted:
+    """The simulated step per cut, remembered; ``left`` counts the simulations still allowed."""
+
+    def __init__(self, fn: Callable[[Parts], float]) -> None:
+        self.fn = fn
+        self.seen: dict[Parts, float] = {}
+        self.left = _SIMULATIONS
+
+    def __call__(self, parts: Parts) -> float:
+        if parts not in self.seen:
+            self.left -= 1
+            self.seen[parts] = self.fn(parts)
+        return self.seen[parts]
+
+
+def _descend(parts: Parts, value: Callable[[Parts], float], step: _Counted, *, limit: float | None = None) -> Parts:
+    """Take the move with the least ``value`` (its step within ``limit`` when given) while it lowers
+    ``value``; ties within a relative 1e-9 keep the move found first. Stops when the budget is spent."""
+    best = value(parts)
+    while step.left > 0:
+        chosen, chosen_value = None, best
+        for q in boundary_moves(parts):
+            v = value(q)  # memory is cheap; only a cut that would lower it is simulated for the limit
+            if _below(v, chosen_value) and (limit is None or step(q) <= limit):
+                chosen, chosen_value = q, v
+            if step.left <= 0:
+                break
+        if chosen is None:
             break
-        parts, best = move
+        parts, best = chosen, chosen_value
     return parts
 
 
-def _lower(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    """``a`` below ``b`` in order, ties within a relative 1e-9 passed over to the next entry."""
-    for x, y in zip(a, b):
-        if x < y - 1e-9 * max(abs(x), abs(y), 1e-30):
-            return True
-        if x > y + 1e-9 * max(abs(x), abs(y), 1e-30):
-            return False
-    return False
+def _below(a: float, b: float) -> bool:
+    return a < b - 1e-9 * max(abs(a), abs(b), 1e-30)

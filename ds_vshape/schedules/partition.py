@@ -29,7 +29,7 @@ import numpy as np
 from .ir import Kind, Schedule
 from .placement import linear, vshape
 
-__all__ = ["LayerCost", "Cut", "cut_layers", "pool_alike", "rank_loads", "stage_inflight"]
+__all__ = ["LayerCost", "Cut", "boundary_moves", "cut_layers", "pool_alike", "rank_loads", "slack_limit", "stage_inflight"]
 
 _INF = float("inf")
 # The V DP is O(p L^4 / 12) element operations; beyond this many layers it would take
@@ -132,6 +132,27 @@ def rank_loads(parts: Sequence[int], costs: Sequence[LayerCost], stage_to_rank: 
     return tuple(times), tuple(memory)
 
 
+def slack_limit(least: float, slack: float) -> float:
+    """The most a value may be and still count as within ``slack`` (a share) of ``least``."""
+    return least * (1 + slack) + 1e-12 * max(1.0, least)
+
+
+def boundary_moves(parts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The cuts one move from ``parts``: one boundary anywhere between its neighbours; or a run of
+    boundaries k..k2 shifted by one layer together (a layer handed from stage k2 to stage k-1 across
+    the stages between, which single moves cannot do without first making some rank busier)."""
+    parts, stages, moves = list(parts), len(parts) - 1, []
+    for k in range(1, stages):
+        moves += [tuple(parts[:k] + [pos] + parts[k + 1:]) for pos in range(parts[k - 1] + 1, parts[k + 1]) if pos != parts[k]]
+    for k in range(1, stages):
+        for k2 in range(k + 1, stages):
+            for delta in (-1, 1):
+                trial = parts[:k] + [b + delta for b in parts[k:k2 + 1]] + parts[k2 + 1:]
+                if all(a < b for a, b in zip(trial, trial[1:])):
+                    moves.append(tuple(trial))
+    return moves
+
+
 def cut_layers(costs: Sequence[LayerCost], stage_to_rank: Sequence[int], *, inflight: Sequence[float] | None = None,
                time_slack: float = 0.02) -> Cut:
     """The cut of ``costs`` into ``len(stage_to_rank)`` non-empty stages that minimises the busiest
@@ -169,7 +190,7 @@ def _lexicographic(solve: Callable[..., tuple[int, ...] | None], costs: Sequence
 
     first = solve("time")
     fastest, _ = busiest(first)
-    time_limit = fastest * (1 + slack) + 1e-12 * max(1.0, fastest)
+    time_limit = slack_limit(fastest, slack)
     second = solve("memory", time_limit=time_limit, start=first)  # the first cut meets this limit
     _, leanest = busiest(second)
     memory_limit = leanest * (1 + 1e-9) + 1e-9
@@ -308,27 +329,11 @@ class _LocalSearch:
         improved = True
         while improved:
             improved = False
-            for trial in self._moves(parts):
+            for trial in boundary_moves(parts):
                 trial_key = self._key(trial, objective, time_limit, memory_limit)
                 if trial_key < key:
                     parts, key, improved = list(trial), trial_key, True
         return tuple(parts) if key[0] == 0 else None
-
-    @staticmethod
-    def _moves(parts: list[int]) -> list[tuple[int, ...]]:
-        """One boundary anywhere between its neighbours; or a run of boundaries k..k2 shifted by
-        one layer together (a layer handed from stage k2 to stage k-1 across the stages between,
-        which single moves cannot do without first making some rank busier)."""
-        stages, moves = len(parts) - 1, []
-        for k in range(1, stages):
-            moves += [tuple(parts[:k] + [pos] + parts[k + 1:]) for pos in range(parts[k - 1] + 1, parts[k + 1]) if pos != parts[k]]
-        for k in range(1, stages):
-            for k2 in range(k + 1, stages):
-                for delta in (-1, 1):
-                    trial = parts[:k] + [b + delta for b in parts[k:k2 + 1]] + parts[k2 + 1:]
-                    if all(a < b for a, b in zip(trial, trial[1:])):
-                        moves.append(tuple(trial))
-        return moves
 
     def _key(self, parts: tuple[int, ...], objective: str, time_limit: float, memory_limit: float) -> tuple[float, ...]:
         times, memory = rank_loads(parts, self.costs, self.placement, inflight=self.held)
