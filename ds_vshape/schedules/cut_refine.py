@@ -28,7 +28,7 @@ from .ir import Schedule
 from .partition import Cut, LayerCost, boundary_moves, cut_layers, rank_loads, slack_limit
 from .simulate import simulate
 
-__all__ = ["refine_cut", "simulated_step"]
+__all__ = ["profile_cut", "refine_cut", "simulated_step"]
 
 # Simulations one refinement may run: each walks the whole schedule once, milliseconds at p=8
 # and 32 micro-batches, and the other ranks wait for rank 0's cut meanwhile.
@@ -46,6 +46,14 @@ def simulated_step(parts: Sequence[int], costs: Sequence[LayerCost], schedule: S
         return 0.0
     balanced = total / schedule.num_model_stages  # a stage's time in an even cut: scale 1
     return simulate(schedule, Costs(stage_scale=tuple(t / balanced for t in times))).makespan
+
+
+def profile_cut(costs: Sequence[LayerCost], schedule: Schedule, *, inflight: Sequence[float] | None = None,
+                time_slack: float = 0.02) -> Cut:
+    """The cut ``partition_method: profile`` runs: ``cut_layers`` for the schedule's placement, refined for the
+    schedule where a rank holds several stages (``refine_cut``)."""
+    cut = cut_layers(costs, schedule.stage_to_rank, inflight=inflight, time_slack=time_slack)
+    return refine_cut(cut, costs, schedule, inflight=inflight, time_slack=time_slack)
 
 
 def refine_cut(cut: Cut, costs: Sequence[LayerCost], schedule: Schedule, *, inflight: Sequence[float] | None = None,

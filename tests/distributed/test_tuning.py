@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from ds_vshape.schedules import Schedule
-from ds_vshape.schedules.cut_refine import refine_cut
-from ds_vshape.schedules.partition import LayerCost, cut_layers
+from ds_vshape.schedules.cut_refine import profile_cut
+from ds_vshape.schedules.partition import LayerCost
 
 from .launch import ALL_RULES, by_case, launch
 from .test_engine import _assert_parity
@@ -84,8 +84,9 @@ def _trained(results: dict, name: str, *, slack: float = 0.02) -> list[dict[str,
     assert ranks[0]["parts"] == ranks[1]["parts"], f"{name}: ranks cut differently: {[r['parts'] for r in ranks]}"
     costs = [LayerCost(*c) for c in ranks[0]["costs"]]
     assert all(r["costs"] == ranks[0]["costs"] for r in ranks), "every rank holds the same measured costs"
-    cut = cut_layers(costs, ranks[0]["placement"], inflight=ranks[0]["inflight"], time_slack=slack)
-    cut = refine_cut(cut, costs, Schedule.from_json(ranks[0]["schedule"]), inflight=ranks[0]["inflight"], time_slack=slack)
+    schedule = Schedule.from_json(ranks[0]["schedule"])
+    assert list(schedule.stage_to_rank) == ranks[0]["placement"]
+    cut = profile_cut(costs, schedule, inflight=ranks[0]["inflight"], time_slack=slack)
     assert list(cut.parts) == ranks[0]["parts"], (cut, ranks[0]["costs"])
     return ranks
 

@@ -31,8 +31,8 @@ from torch import nn
 
 from ...config import ConfigError, PipelineConfig
 from ...schedules import Schedule
-from ...schedules.cut_refine import refine_cut
-from ...schedules.partition import Cut, LayerCost, cut_layers, pool_alike, stage_inflight
+from ...schedules.cut_refine import profile_cut
+from ...schedules.partition import Cut, LayerCost, pool_alike, stage_inflight
 from ...tuning import INTEGER_DTYPES, SampleTensor
 from ..dropin.carry import gather_checked, global_rank_of
 from .memory import ActivationMeter
@@ -65,8 +65,7 @@ def profiled_cut(model: DSPipelineModule, schedule: Schedule, vs: PipelineConfig
     inflight = stage_inflight(schedule, kept_until_w=vs.w_memory)
     box: list[Any] = [None]
     if dist.get_rank() == 0:  # one rank decides: the cut must be identical everywhere, to the bit
-        cut = cut_layers(costs, schedule.stage_to_rank, inflight=inflight, time_slack=vs.profile_time_slack)
-        box[0] = refine_cut(cut, costs, schedule, inflight=inflight, time_slack=vs.profile_time_slack)
+        box[0] = profile_cut(costs, schedule, inflight=inflight, time_slack=vs.profile_time_slack)
         _log_cut(costs, box[0], schedule)
     dist.broadcast_object_list(box, src=0, device=comm_device())
     return Profile(costs, inflight, box[0])
