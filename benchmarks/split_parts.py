@@ -9,13 +9,14 @@ micro-batch (which side goes first alternates), and is reported against it:
 * ``control``: a plain copy of the stage in the split's place, its forward against the plain
   stage's: what the harness itself tells apart (a figure within its distance of 1 is nothing);
 * ``F``: the forward routed for split backward, against a plain forward;
-* ``F, no capture``: the same without the pre-hook each linear layer puts on its GEMM node (what
+* ``F, no capture``: the same without the hook each linear layer puts on its GEMM's output (what
   registering it costs; the weight gradients are then lost: timing only);
-* ``F, no hooks``: without the decoder blocks' forward hooks (the routing's entry points);
+* ``F, no hooks``: without the decoder blocks' entry to the routing (``module_hooks``: forward hooks
+  before, a ``RoutedStage`` class now);
 * ``F, GEMM only``: without both: what is left is each linear layer's plan and its GEMM on the
   detached weight;
 * ``B``: B against a backward whose linear weights are frozen (the same GEMMs: input gradients only);
-* ``B, empty capture``: B with each pre-hook returning at once (the hook's call, not its work).
+* ``B, empty capture``: B with each capture hook returning at once (the hook's call, not its work).
 
 The figures are medians over ``--reps`` micro-batches, printed as a markdown table
 (``benchmarks/results/split_parts.md`` is one run's output, redirected there).
@@ -46,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import cpu_model  # noqa: E402
 from benchmarks.host_stage import Stage, build, run_stage, stage_parser  # noqa: E402
-from ds_vshape.runtime.split import graph_linear  # noqa: E402
+from ds_vshape.runtime.split import graph_linear, module_hooks  # noqa: E402
 
 __all__ = ["VARIANTS", "main"]
 
@@ -64,12 +65,14 @@ def _take_out(variant: str, modules: list[torch.nn.Module]) -> None:
 
         graph_linear.SplitLinear.forward = forward  # type: ignore[method-assign]
     if variant in ("F, no hooks", "F, GEMM only"):
-        for m in modules:
+        for m in modules:  # the blocks' entry to the routing: hooks, or their class made a RoutedStage
             m._forward_pre_hooks.clear()
             m._forward_hooks.clear()
             m._forward_hooks_always_called.clear()
+            if isinstance(m, module_hooks.RoutedStage):
+                m.__class__ = type(m).__mro__[2]  # (the RoutedStage subclass, RoutedStage, the block's class)
     elif variant == "B, empty capture":
-        graph_linear._Capture.__call__ = lambda self, grads: None  # type: ignore[method-assign]
+        graph_linear.GemmCapture.__call__ = lambda self, grad: None  # type: ignore[method-assign]
 
 
 def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """``nn.Linear`` split on autograd's graph (``graph_linear``): no Python node in F, the same gradients.
 
 After a scope's first (routed) forward, a plain ``nn.Linear`` runs its GEMM on the weight
-detached: autograd's native node computes the input's gradient in B, a pre-hook parks the
-weight's work, W computes it. Checked against a fused backward on a small block (``host_stage``'s test runs Hugging Face
+detached: autograd's native node computes the input's gradient in B, a hook on the output parks
+the weight's work, W computes it. Checked against a fused backward on a small block (``host_stage``'s test runs Hugging Face
 Llama blocks, the engine tiers train them): exact gradients, no custom autograd node in the
 graph, W's input kept through the saved-tensor hooks (meter, offload, checkpoint), a second
 backward, ``torch.autograd.grad``, in-place changes on either side of the GEMM, and the calls
@@ -322,13 +322,15 @@ def test_an_input_changed_in_place_after_the_forward_is_named_not_used() -> None
         out = block.fc1(hidden)
     with torch.no_grad():
         hidden.add_(100.0)
-    with store.deferring(8), pytest.raises(RuntimeError, match=r"input of 0.fc1 .* modified in place .* clone"):
+    # Raised as B ends (where B's captures are parked), and nothing of that B is parked.
+    with pytest.raises(RuntimeError, match=r"input of 0.fc1 .* modified in place .* clone"), store.deferring(8):
         out.sum().backward()
+    assert store.pending() == [] and store.parked_bytes == 0
 
 
 def test_an_in_place_op_on_the_output_keeps_the_weight_gradient() -> None:
     """A 3-D input's output is a view of the GEMM's: an in-place op on it rebases the view, and the
-    pre-hook must sit on the GEMM's own node to see the gradient."""
+    capture must sit on the GEMM's own output (its node) to see the gradient."""
 
     def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.relu_(block.fc1(x)).square().sum()

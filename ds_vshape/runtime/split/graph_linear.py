@@ -7,13 +7,13 @@ host time that every pass a schedule adds pays again. For the common module, a p
 
 * F runs ``F.linear`` on the weight detached, so autograd's native GEMM node gets no edge
   to the weight: it computes the input's gradient (and the bias's, when B computes it)
-  and never the weight's. A pre-hook on that node sees the output gradient in B.
+  and never the weight's. A hook on the GEMM's output (``GemmCapture``) sees its gradient in B.
 * What W needs of the forward, the GEMM's input, is kept as autograd would keep it: handed
   to the saved-tensor hooks active at the time (the activation meter, activation offload,
   a non-reentrant checkpoint), unpacked when B reaches the node.
-* B's pre-hook parks the input and the output gradient as the same ``MatmulWork`` the
-  routed path parks, so W, the ``w_memory`` fit and the offload of W's kept tensors see no
-  difference.
+* B's hook hands the input and the output gradient to the store, which parks them as the
+  same ``MatmulWork`` the routed path parks (when B ends, in the order B reached them), so W,
+  the ``w_memory`` fit and the offload of W's kept tensors see no difference.
 
 A call that does not fit this shape takes the routed path as before: the first forward of a
 scope (routed whole, to find parameters used outside their modules), a weight computed in B
@@ -25,7 +25,9 @@ taken over (``take_over``): a subclass may have a forward of its own.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable
+from functools import partial
 from enum import IntEnum
 from typing import Any, Callable, Protocol
 
@@ -36,7 +38,7 @@ from torch import nn
 from .split_mode import RoutingStore, routing
 from .split_ops import MatmulWork
 
-__all__ = ["GRAPH", "GRAPH_BIAS", "GraphLinearStore", "PLAIN", "Plan", "ROUTED", "SplitLinear", "take_over"]
+__all__ = ["GRAPH", "GRAPH_BIAS", "BoundStore", "GemmCapture", "GraphLinearStore", "PLAIN", "Plan", "ROUTED", "SplitLinear", "take_over"]
 
 
 class Plan(IntEnum):
@@ -58,28 +60,29 @@ class GraphLinearStore(RoutingStore, Protocol):
 
     def enter_module(self, delta: int) -> None: ...
 
-    def capture(self, key: Hashable, work: MatmulWork) -> None: ...
+    def capture(self, capture: GemmCapture, x: torch.Tensor, grad: torch.Tensor) -> None: ...
 
     def owner_of(self, param: torch.Tensor) -> str: ...
 
 
-class _Bound:
-    """The store a ``SplitLinear`` reports to: a deep copy of the module shares it (a copy is re-bound
-    when split backward is enabled on it with a store of its own), rather than copying parked work."""
+class BoundStore:
+    """The store a module taken over by class (``SplitLinear``, ``module_hooks.RoutedStage``) reports to:
+    a deep copy of the module shares it (a copy is re-bound when split backward is enabled on it with a
+    store of its own), rather than copying parked work."""
 
     __slots__ = ("store",)
 
     def __init__(self, store: GraphLinearStore) -> None:
         self.store = store
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Bound:
+    def __deepcopy__(self, memo: dict[int, Any]) -> BoundStore:
         return self
 
 
 class SplitLinear(nn.Linear):
     """An ``nn.Linear`` whose forward splits its backward on the graph when a split unit runs it."""
 
-    _ds_vshape_bound: _Bound
+    _ds_vshape_bound: BoundStore
 
     @property
     def _ds_vshape_store(self) -> GraphLinearStore:
@@ -100,10 +103,14 @@ class SplitLinear(nn.Linear):
         unpack, version = None, input._version  # autograd no longer saves the input: W's check is ours
         if hooks is not None:  # kept as autograd would keep a saved tensor: meter, offload, checkpoint see it
             kept, unpack, version = hooks[0](input.detach()), hooks[1], None
-        # The GEMM's own node: a 3-D input's output is a view of it, and an in-place op on that view
-        # would take the view's node out of the graph (the hook would never fire).
-        node = (out if out._base is None else out._base).grad_fn
-        node.register_prehook(_Capture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None))
+        # On the GEMM's own output: a 3-D input's output may be a view of it, and an in-place op on that view
+        # would take the view's node out of the graph (a hook there would never fire).
+        base = out if out._base is None else out._base
+        capture = GemmCapture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None, base)
+        # A tensor hook dict, registered as ``Tensor.register_hook`` registers one, but without the Python
+        # ``RemovableHandle`` that ``register_hook`` or ``Node.register_prehook`` build on every call.
+        base._backward_hooks = _LastHook(((_HOOK_KEY, capture),))
+        base.grad_fn._register_hook_dict(base)
         return out
 
 
@@ -123,27 +130,65 @@ def take_over(mod: nn.Module, store: GraphLinearStore) -> bool:
         mod.__class__ = SplitLinear  # state, hooks and parameters stay; isinstance(mod, nn.Linear) holds
     elif type(mod) is not SplitLinear:
         return False
-    mod._ds_vshape_bound = _Bound(store)  # type: ignore[assignment]
+    mod._ds_vshape_bound = BoundStore(store)  # type: ignore[assignment]
     return True
 
 
-_USED = object()  # what a _Capture keeps once its backward has run
+_USED = object()  # what a GemmCapture keeps once its backward has run
+# The capture's key in its output's hook dict: ``RemovableHandle`` ids count up from 0, so a hook the user
+# adds to the same tensor later (``Tensor.register_hook`` adds it to this dict) never takes its place.
+_HOOK_KEY = -1
 
 
-class _Capture:
-    """B's pre-hook on the GEMM node: parks the weight's work with the output gradient arriving there."""
+class _LastHook(dict):  # type: ignore[type-arg]
+    """An output's tensor-hook dict that keeps the capture last: autograd runs a tensor's hooks in the
+    dict's order, each on what the one before returned, so the capture takes the gradient the GEMM's
+    node receives also when a hook the user adds later changes it. (A Python subclass also because the
+    user's ``RemovableHandle`` takes a weak reference to the dict, which a plain dict refuses.)"""
 
-    __slots__ = ("store", "key", "kept", "unpack", "version", "weight", "bias")
+    def __setitem__(self, key: Any, value: Any) -> None:
+        capture = self.pop(_HOOK_KEY, None)
+        super().__setitem__(key, value)
+        if capture is not None:
+            super().__setitem__(_HOOK_KEY, capture)
+
+
+class GemmCapture:
+    """B's hook on a GEMM's output: hands the input W needs and the output gradient to the store.
+
+    A tensor hook, where the node's own pre-hook would cost a Python handle per forward call: it also
+    runs where autograd takes the output's gradient without running the node (``torch.autograd.grad``
+    asking for that output itself). In a unit's B (``is_deferring``) the node always runs (the engine's
+    backward takes every gradient); anywhere else the capture waits for the node itself, through a
+    pre-hook put on it for that backward only, so such a call leaves it alone as a node pre-hook would.
+    """
+
+    __slots__ = ("store", "key", "kept", "unpack", "version", "weight", "bias", "out", "out_version")
 
     def __init__(self, store: GraphLinearStore, key: Hashable, kept: Any, unpack: Callable[[Any], torch.Tensor] | None,
-                 version: int | None, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+                 version: int | None, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         self.store, self.key, self.kept, self.unpack, self.version = store, key, kept, unpack, version
         self.weight, self.bias = weight, bias
+        self.out, self.out_version = weakref.ref(out), out._version  # weak: the output's memory is not W's
 
-    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-        grad = grad_outputs[0]
+    def __call__(self, grad: torch.Tensor | None) -> None:
         if grad is None:
             return None
+        if self.store.is_deferring(self.key):
+            return self._take(grad)
+        out = self.out()
+        if out is None or out._version != self.out_version:
+            return self._take(grad)  # freed or changed in place since: nobody can ask for it as an input
+        out.grad_fn.register_prehook(partial(self._take_in, torch._C._current_graph_task_id()))
+        return None
+
+    def _take_in(self, task: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The node's pre-hook: takes the gradient in the backward that put it there, and in no later one."""
+        if grads[0] is None or torch._C._current_graph_task_id() != task:
+            return None
+        return self._take(grads[0])
+
+    def _take(self, grad: torch.Tensor) -> None:
         # Let go of it here, as autograd frees a node's saved tensors when it runs: the meter and offload
         # count it off now, and the parked work holds what W needs. A second backward finds nothing.
         kept, self.kept = self.kept, _USED
@@ -153,11 +198,15 @@ class _Capture:
                 "(retain_graph) is not supported in a split unit: its first backward already handed the input "
                 "to W. Run the unit's backward once, or pick a schedule without split backward")
         x = self.unpack(kept) if self.unpack is not None else kept
+        self.store.capture(self, x, grad)
+        return None
+
+    def work(self, x: torch.Tensor, grad: torch.Tensor) -> MatmulWork:
+        """What W runs for this GEMM, given its input (as B handed it over) and output gradient."""
         if self.version is not None and x._version != self.version:
             raise RuntimeError(
                 f"ds_vshape split backward: the input of {self.store.owner_of(self.weight)} was modified in place "
                 "after its forward, but its weight gradient needs it as the forward saw it: clone the tensor before "
                 "modifying it in place (as autograd itself would demand of a saved tensor)")
         x = x.detach() if x.requires_grad else x  # a checkpoint's recomputed tensor may carry a graph
-        self.store.capture(self.key, MatmulWork("linear", x, grad, self.weight, self.bias))
-        return None
+        return MatmulWork("linear", x, grad, self.weight, self.bias)

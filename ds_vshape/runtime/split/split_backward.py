@@ -5,7 +5,7 @@ This module owns the store; ``graph_linear`` (``nn.Linear`` split on autograd's 
 autograd Functions) and ``module_hooks`` take it as a parameter.
 
 While a unit's forward runs (``forward_of``), a plain ``nn.Linear`` runs its GEMM on the weight
-detached and a pre-hook on autograd's node parks its work in B (``graph_linear``); every other
+detached and a hook on its output hands its work over in B (``graph_linear``); every other
 operation that consumes a trainable parameter of the stage goes through an autograd function
 of ``split_ops`` (routing: ``split_mode``), and every custom autograd Function node that takes
 one is taken over by ``split_graph``. In the unit's B (``deferring``) they compute only input gradients and park,
@@ -47,9 +47,9 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, Plan, take_over
+from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, GemmCapture, Plan, take_over
 from .in_b import matching, module_paths
-from .module_hooks import route_forward, routed_checkpoint
+from .module_hooks import route_forward, route_stage, routed_checkpoint
 from .split_mode import DeferMode, param_like
 from .split_ops import ParkedWork, accumulate
 
@@ -98,6 +98,8 @@ class WeightGradStore:
         self._module_depth = 0  # modules owning deferred parameters now running their forward
         self._outside = False  # this forward consumed a deferred parameter outside such modules
         self._inputs_only = 0  # torch.autograd.grad calls running (graph_linear's captures add nothing then)
+        # What B's GEMM captures handed over, parked when B ends (or before anything else parks, to keep the order)
+        self._captured: list[tuple[GemmCapture, torch.Tensor, torch.Tensor]] = []
 
     # ---- contexts the engine opens --------------------------------------------------------------
     @contextmanager
@@ -144,8 +146,10 @@ class WeightGradStore:
         try:
             with self._unit(key), DeferMode(self):
                 yield
+            self._park_captured()
         finally:
             self._deferring.discard(key)
+            self._captured.clear()  # B raised: none of it is parked
 
     def deferring(self, key: Hashable) -> Any:
         """``key``'s B: parameter gradients are parked for ``run(key)``."""
@@ -229,6 +233,11 @@ class WeightGradStore:
 
     # ---- parked work -------------------------------------------------------------------------------
     def park(self, key: Hashable, work: ParkedWork) -> None:
+        if self._captured:
+            self._park_captured()
+        self._park(key, work)
+
+    def _park(self, key: Hashable, work: ParkedWork) -> None:
         self._parked[key].append(work)
         for t in work.held:
             self._hold(t, +1)
@@ -251,15 +260,24 @@ class WeightGradStore:
         else:
             self._refs[ptr] = after
 
-    def capture(self, key: Hashable, work: ParkedWork) -> None:
-        """B reached a GEMM split on the graph (``graph_linear``): park its work; a fused backward runs it
-        now; ``torch.autograd.grad`` (``inputs_only``) wants no parameter gradient, so nothing runs."""
+    def capture(self, capture: GemmCapture, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """B reached a GEMM split on the graph (``graph_linear``): its work is parked when B ends, a fused
+        backward runs it now; ``torch.autograd.grad`` (``inputs_only``) wants no parameter gradient, so
+        nothing runs. (Parked in one loop after B rather than here: Python run from inside autograd's
+        engine, once per GEMM, costs several times what the same lines cost in a loop of their own.)"""
         if self._inputs_only:
             return
-        if key in self._deferring:
-            self.park(key, work)
+        if capture.key in self._deferring:
+            self._captured.append((capture, x, grad))
         else:
-            work.run()
+            capture.work(x, grad).run()
+
+    def _park_captured(self) -> None:
+        """Park what B's GEMM captures handed over, in the order B reached them."""
+        captured, self._captured = self._captured, []
+        works = [(capture.key, capture.work(x, grad)) for capture, x, grad in captured]  # each checks its input first
+        for key, work in works:
+            self._park(key, work)
 
     def inputs_only(self) -> AbstractContextManager[None]:
         """A ``torch.autograd.grad`` call runs inside (the routing sees it): it leaves ``.grad`` alone."""
@@ -320,6 +338,7 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop all parked work: after a skipped fp16 step nothing may carry into the next."""
         self._parked.clear()
+        self._captured.clear()
         self._refs.clear()
         self.parked_bytes = 0
 
@@ -385,8 +404,12 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
         # it needs no hooks of its own (a whole forward is routed from outside, a checkpoint re-run enters
         # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).
         owner = any(p.requires_grad and not store.grad_in_b(p) for p in own)
-        if not take_over(mod, store) and (owner or mod is top):
-            route_forward(mod, store, owner=owner)
+        if take_over(mod, store):
+            pass
+        elif owner:
+            route_forward(mod, store, owner=True)
+        elif mod is top and not route_stage(mod, store):
+            route_forward(mod, store, owner=False)
         count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
         root.activation_checkpoint_func = routed_checkpoint(root.activation_checkpoint_func, store)

@@ -1,0 +1,233 @@
+"""What a split forward costs the host beyond the GEMMs, and what it must keep doing (issue 28).
+
+A stage's own module that owns no deferred parameter (a decoder block) becomes a
+``RoutedStage``: no forward hooks, and the routing only where its unit's forward was routed
+whole (a checkpoint re-running it in B then routes it again). A linear layer's capture is a
+tensor-hook dict on its output: no Python ``RemovableHandle`` per call; B's captures are parked
+when B ends, in the order B reached them, also among the routed path's own parked work.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import hooks as torch_hooks
+from torch.utils.checkpoint import checkpoint
+
+from ds_vshape.runtime.split.module_hooks import RoutedStage
+from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
+from ds_vshape.runtime.split.split_mode import DeferMode
+from ds_vshape.runtime.split.split_ops import GenericWork, MatmulWork
+
+DIM = 8
+
+
+class _Probe(nn.Module):
+    """Records, on every call, whether the routing's mode is active (no parameters of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(any(isinstance(m, DeferMode) for m in torch.overrides._get_current_function_mode_stack()))
+        return x
+
+
+class Block(nn.Module):
+    """A decoder-block stand-in: two linears, a norm, a probe of the routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.norm = nn.Linear(DIM, 3 * DIM), nn.Linear(3 * DIM, DIM), nn.LayerNorm(DIM)
+        self.probe = _Probe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.probe(self.norm(x)))))
+
+
+class Embedded(nn.Module):
+    """An embedding (the routed path parks its work in B) before two linears (captured on the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.fc1, self.fc2 = nn.Embedding(11, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids))))
+
+
+def _x(seed: int = 1) -> torch.Tensor:
+    return torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _unit(module: nn.Module, store: WeightGradStore, key: int, x: torch.Tensor, *, wrap: Any = None) -> torch.Tensor:
+    """One split micro-batch, F and B; returns the output (W left to the caller)."""
+    with store.forward_of(key, scope="stage"):
+        out = wrap(module, x) if wrap is not None else module(x)
+    with store.deferring(key):
+        out.square().sum().backward()
+    return out
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_a_stage_module_becomes_a_routed_stage_of_its_own_class_without_hooks() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    assert isinstance(block, RoutedStage) and isinstance(block, Block)
+    assert type(block).__name__ == "Block" and type(block).__qualname__ == Block.__qualname__
+    assert not block._forward_hooks and not block._forward_pre_hooks  # nn.Module's fast call path
+    assert inspect.signature(block.forward) == inspect.signature(Block().forward)  # what introspection reads
+    twin = copy.deepcopy(block)
+    assert type(twin) is type(block) and twin._ds_vshape_bound.store is store  # shared, not copied with its work
+    other = WeightGradStore()
+    enable_split_backward([twin], other)
+    assert twin._ds_vshape_bound.store is other and block._ds_vshape_bound.store is store
+
+
+def test_the_block_is_routed_only_while_its_scope_is_routed_whole() -> None:
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    for key in range(3):
+        _unit(block, store, key, _x(key))
+        store.run(key)
+    # The first forward routes everything; later ones only the modules owning deferred parameters (none here:
+    # the linears split on the graph), and nothing routes outside a unit's forward.
+    assert block.probe.seen == [True, False, False]
+    block(_x())
+    assert block.probe.seen[-1] is False
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_re_running_the_block_in_b_routes_it_as_its_forward_was(reentrant: bool) -> None:
+    """The first forward is routed whole: the re-run in B (through the block's own call) is routed too,
+    so it saves what the forward saved; later forwards and their re-runs are not routed. Gradients
+    equal a fused backward's."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+
+    def wrap(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(module, x, use_reentrant=reentrant)
+
+    for key in range(2):
+        leaf = _x(key).requires_grad_()
+        reference(leaf).square().sum().backward()
+        block.probe.seen.clear()
+        _unit(block, store, key, _x(key).requires_grad_(), wrap=wrap)
+        assert block.probe.seen == ([True, True] if key == 0 else [False, False])  # forward, then its re-run in B
+    for key in range(2):
+        store.run(key)
+    want = _grads(reference)
+    got = _grads(block)
+    assert set(got) == set(want)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_split_forward_builds_no_python_hook_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the scope's first forward is done, a forward registers its captures without one Python
+    ``RemovableHandle`` (each linear layer's pre-hook built one before)."""
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    made: list[object] = []
+    init = torch_hooks.RemovableHandle.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_hooks.RemovableHandle, "__init__", counting)
+    with store.forward_of(1, scope="stage"):
+        out = block(_x().requires_grad_())
+    assert made == []
+    with store.deferring(1):
+        out.sum().backward()
+    assert len(store.parked_of(1)) == 2  # both linears' weight work, captured in B
+
+
+def test_a_users_hook_on_the_output_can_be_removed() -> None:
+    """The capture's hook dict takes the user's own hooks (and their handles' weak references): a hook
+    removed before B changes nothing, one kept scales the weight gradient as in a fused backward."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    block.zero_grad(set_to_none=True)
+
+    def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = module.fc1(x)
+        h.register_hook(lambda g: g * 100.0).remove()
+        h.register_hook(lambda g: g * 3.0)
+        return h.square().sum()
+
+    run(reference, _x(2).requires_grad_()).backward()
+    with store.forward_of(1, scope="stage"):
+        out = run(block, _x(2).requires_grad_())
+    with store.deferring(1):
+        out.backward()
+    store.run(1)
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_b_parks_in_the_order_it_reached_the_work_routed_and_captured_alike() -> None:
+    """The linears' captures are parked when B ends, the embedding's routed work while B runs: W still
+    gets them in the order B reached them (fc2, fc1, then the embedding), and the gradients are exact."""
+    reference, model = Embedded(), Embedded()
+    store = WeightGradStore()
+    enable_split_backward([model], store)
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(3))
+    for key in range(2):
+        reference(ids).square().sum().backward()
+        _unit(model, store, key, ids)
+    order = []
+    for work in store.parked_of(1):
+        if isinstance(work, MatmulWork):
+            order.append(work.weight)
+        else:
+            assert isinstance(work, GenericWork)
+            order.extend(work.targets)
+    assert [id(t) for t in order] == [id(model.fc2.weight), id(model.fc1.weight), id(model.emb.weight)]
+    for key in range(2):
+        store.run(key)
+    want = _grads(reference)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_backward_outside_any_unit_takes_the_gradient_only_where_the_node_runs() -> None:
+    """Outside a unit's B a capture waits for its node, for that backward only: ``torch.autograd.grad``
+    asking for the output itself takes nothing, a fused backward after it runs the weight's work once."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    block.zero_grad(set_to_none=True)
+    x = _x(4).reshape(-1, DIM)  # 2-D: the linear's output is the GEMM's own (3-D with a bias: a view of it)
+    with store.forward_of(1, scope="stage"):
+        h = block.fc1(x.clone().requires_grad_())
+    assert h._base is None
+    loss = h.square().sum()
+    torch.autograd.grad(loss, [h], retain_graph=True)
+    assert block.fc1.weight.grad is None
+    loss.backward()  # no unit's B: fused, the weight gradient now
+    reference.fc1(x.clone().requires_grad_()).square().sum().backward()
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+    assert store.pending() == []
