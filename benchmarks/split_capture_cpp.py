@@ -2,8 +2,9 @@
 
     OMP_NUM_THREADS=1 python benchmarks/split_capture_cpp.py [--seq-len 16 --micro-batch 1] [--way cpp|python]
 
-Not part of the plugin. ``graph_linear`` puts a Python pre-hook on each linear layer's GEMM node
-(``Node.register_prehook``: a ``RemovableHandle`` and a Python call per GEMM in B). Here a small
+Not part of the plugin. ``graph_linear`` then put a Python pre-hook on each linear layer's GEMM node
+(``Node.register_prehook``: a ``RemovableHandle`` and a Python call per GEMM in B; since 794cbc6 a
+tensor-hook dict on the GEMM's output, without the handle, parked when B ends). Here a small
 C++ extension, built with ``torch.utils.cpp_extension.load_inline`` (a compiler and ninja are
 needed; about 20 s the first time, cached after), registers a C++ ``FunctionPreHook`` instead that
 appends (what W needs, the output gradient) to a list; at the end of B the list is parked as the
@@ -101,7 +102,7 @@ def _park(stage: Stage, sink: list[Any]) -> None:
     for (key, x, version, weight), grad in sink:
         if x._version != version:
             raise RuntimeError("a linear layer's input was modified in place after its forward")
-        stage.store.capture(key, MatmulWork("linear", x, grad, weight, None))
+        stage.store.park(key, MatmulWork("linear", x, grad, weight, None))
     sink.clear()
 
 

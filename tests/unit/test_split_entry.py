@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils import hooks as torch_hooks
 from torch.utils.checkpoint import checkpoint
 
+from ds_vshape.runtime.split.graph_linear import SplitLinear
 from ds_vshape.runtime.split.module_hooks import RoutedStage
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward
 from ds_vshape.runtime.split.split_mode import DeferMode
@@ -173,13 +174,17 @@ def test_a_users_hook_on_the_output_can_be_removed() -> None:
 
     def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = module.fc1(x)
+        assert h._base is None  # 2-D: the GEMM's own output, where the capture's dict is
         h.register_hook(lambda g: g * 100.0).remove()
         h.register_hook(lambda g: g * 3.0)
+        if isinstance(module.fc1, SplitLinear):
+            assert list(h._backward_hooks)[-1] == -1  # the capture (its key) stays last
         return h.square().sum()
 
-    run(reference, _x(2).requires_grad_()).backward()
+    x = _x(2).reshape(-1, DIM)
+    run(reference, x.clone().requires_grad_()).backward()
     with store.forward_of(1, scope="stage"):
-        out = run(block, _x(2).requires_grad_())
+        out = run(block, x.clone().requires_grad_())
     with store.deferring(1):
         out.backward()
     store.run(1)
@@ -196,7 +201,7 @@ def test_b_parks_in_the_order_it_reached_the_work_routed_and_captured_alike() ->
     for key in range(2):
         reference(ids).square().sum().backward()
         _unit(model, store, key, ids)
-    order = []
+    order: list[torch.Tensor] = []
     for work in store.parked_of(1):
         if isinstance(work, MatmulWork):
             order.append(work.weight)
@@ -231,3 +236,130 @@ def test_a_backward_outside_any_unit_takes_the_gradient_only_where_the_node_runs
     reference.fc1(x.clone().requires_grad_()).square().sum().backward()
     torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
     assert store.pending() == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_hugging_face_block_checkpointing_itself_splits_exactly(reentrant: bool) -> None:
+    """A ``transformers`` decoder layer as a stage's own module, with its own gradient checkpointing
+    (``GradientCheckpointingLayer`` checkpoints its outermost ``forward``: here the ``RoutedStage``'s,
+    so its re-run in B is routed like its forward). Two micro-batches, the first routed whole:
+    input and parameter gradients equal a fused backward's with the same checkpointing."""
+    from functools import partial
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=11, max_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = LlamaDecoderLayer(config, layer_idx=0)
+    layer = copy.deepcopy(reference)
+    for mod in (reference, layer):
+        mod.train()
+        mod.gradient_checkpointing = True
+        mod._gradient_checkpointing_func = partial(checkpoint, use_reentrant=reentrant)
+    store = WeightGradStore()
+    enable_split_backward([layer], store)
+    assert isinstance(layer, RoutedStage) and isinstance(layer, LlamaDecoderLayer)
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    rope = LlamaRotaryEmbedding(config)
+    position = rope(xs[0], torch.arange(5).unsqueeze(0))
+
+    def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x, position_embeddings=position)
+
+    want_inputs = []
+    for x in xs:
+        leaf = x.clone().requires_grad_()
+        run(reference, leaf).square().sum().backward()
+        want_inputs.append(leaf.grad)
+    seen: list[bool] = []
+    layer.mlp.register_forward_pre_hook(
+        lambda *_: seen.append(any(isinstance(m, DeferMode) for m in torch.overrides._get_current_function_mode_stack())))
+    got_inputs = []
+    for key, x in enumerate(xs):
+        leaf = x.clone().requires_grad_()
+        _unit(layer, store, key, leaf, wrap=run)
+        got_inputs.append(leaf.grad)
+    assert seen == [True, True, False, False]  # forward and its re-run in B routed for the first unit only
+    assert all(p.grad is None for n, p in layer.named_parameters() if n.endswith("proj.weight"))  # W's, not B's
+    for key in range(2):
+        store.run(key)
+    for got, want in zip(got_inputs, want_inputs):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    want = _grads(reference)
+    got = _grads(layer)
+    assert set(got) == set(want)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_grad_call_the_routing_sees_in_b_takes_nothing() -> None:
+    """``torch.autograd.grad`` asking for a linear layer's own output inside the unit's B (the routing
+    sees it) leaves the capture alone: the unit's backward after it parks the weight's work once."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    block.zero_grad(set_to_none=True)
+    x = _x(5).reshape(-1, DIM)
+    with store.forward_of(1, scope="stage"):
+        h = block.fc1(x.clone().requires_grad_())
+    loss = h.square().sum()
+    with store.deferring(1):
+        torch.autograd.grad(loss, [h], retain_graph=True)
+        loss.backward()
+    assert len(store.parked_of(1)) == 1
+    store.run(1)
+    reference.fc1(x.clone().requires_grad_()).square().sum().backward()
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_an_output_detached_in_place_still_gets_its_weight_gradient() -> None:
+    """``detach_()`` on a linear layer's output after another op consumed it: the GEMM's node still runs
+    in a backward outside any unit (fused), and the weight gradient arrives."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    block.zero_grad(set_to_none=True)
+    x = _x(6).reshape(-1, DIM)
+    with store.forward_of(1, scope="stage"):
+        h = block.fc1(x.clone().requires_grad_())
+        y = h * 2.0
+        h.detach_()
+    y.sum().backward()
+    (reference.fc1(x.clone().requires_grad_()) * 2.0).sum().backward()
+    torch.testing.assert_close(block.fc1.weight.grad, reference.fc1.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_b_holds_no_graph_of_a_reentrant_checkpoint_until_it_ends() -> None:
+    """A reentrant checkpoint's re-run hands B a recomputed input with its segment's graph: the capture
+    keeps it detached, so that graph (its input and gradient) is freed segment by segment."""
+    block = Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    kept: list[bool] = []
+    with store.forward_of(1, scope="stage"):
+        out = checkpoint(block, _x().requires_grad_(), use_reentrant=True)
+    with store.deferring(1):
+        out.square().sum().backward()
+        kept = [x.requires_grad or x.grad_fn is not None for _, x, _ in store._captured]
+    assert kept == [False, False]  # both linears captured in this B, neither with a graph
+
+
+def test_a_module_with_a_forward_of_its_own_instance_keeps_hooks() -> None:
+    """A ``forward`` set on the instance (accelerate's hooks, a patch) would pass the class's by: such a
+    module keeps the routing's forward hooks instead of a ``RoutedStage`` class."""
+    block = Block()
+    block.forward = block.forward  # type: ignore[method-assign]  # a bound method in the instance dict
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    assert not isinstance(block, RoutedStage) and block._forward_pre_hooks and block._forward_hooks
+    _unit(block, store, 0, _x())
+    store.run(0)
+    assert block.probe.seen == [True]

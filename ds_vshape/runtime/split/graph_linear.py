@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable
-from functools import partial
 from enum import IntEnum
-from typing import Any, Callable, Protocol
+from functools import partial
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,10 @@ from torch import nn
 from .split_mode import RoutingStore, routing
 from .split_ops import MatmulWork
 
-__all__ = ["GRAPH", "GRAPH_BIAS", "BoundStore", "GemmCapture", "GraphLinearStore", "PLAIN", "Plan", "ROUTED", "SplitLinear", "take_over"]
+__all__ = ["GRAPH", "GRAPH_BIAS", "PLAIN", "ROUTED", "BoundStore", "GemmCapture", "GraphLinearStore", "Plan", "SplitLinear",
+           "take_over"]
+
+S = TypeVar("S")  # the store a module taken over by class reports to
 
 
 class Plan(IntEnum):
@@ -62,27 +65,30 @@ class GraphLinearStore(RoutingStore, Protocol):
 
     def capture(self, capture: GemmCapture, x: torch.Tensor, grad: torch.Tensor) -> None: ...
 
+    @property
+    def asks_inputs_only(self) -> bool: ...
+
     def owner_of(self, param: torch.Tensor) -> str: ...
 
 
-class BoundStore:
+class BoundStore(Generic[S]):
     """The store a module taken over by class (``SplitLinear``, ``module_hooks.RoutedStage``) reports to:
     a deep copy of the module shares it (a copy is re-bound when split backward is enabled on it with a
     store of its own), rather than copying parked work."""
 
     __slots__ = ("store",)
 
-    def __init__(self, store: GraphLinearStore) -> None:
+    def __init__(self, store: S) -> None:
         self.store = store
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> BoundStore:
+    def __deepcopy__(self, memo: dict[int, Any]) -> BoundStore[S]:
         return self
 
 
 class SplitLinear(nn.Linear):
     """An ``nn.Linear`` whose forward splits its backward on the graph when a split unit runs it."""
 
-    _ds_vshape_bound: BoundStore
+    _ds_vshape_bound: BoundStore[GraphLinearStore]
 
     @property
     def _ds_vshape_store(self) -> GraphLinearStore:
@@ -140,13 +146,13 @@ _USED = object()  # what a GemmCapture keeps once its backward has run
 _HOOK_KEY = -1
 
 
-class _LastHook(dict):  # type: ignore[type-arg]
+class _LastHook(dict[int, Callable[[torch.Tensor | None], None]]):
     """An output's tensor-hook dict that keeps the capture last: autograd runs a tensor's hooks in the
     dict's order, each on what the one before returned, so the capture takes the gradient the GEMM's
     node receives also when a hook the user adds later changes it. (A Python subclass also because the
     user's ``RemovableHandle`` takes a weak reference to the dict, which a plain dict refuses.)"""
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: int, value: Callable[[torch.Tensor | None], None]) -> None:
         capture = self.pop(_HOOK_KEY, None)
         super().__setitem__(key, value)
         if capture is not None:
@@ -158,9 +164,12 @@ class GemmCapture:
 
     A tensor hook, where the node's own pre-hook would cost a Python handle per forward call: it also
     runs where autograd takes the output's gradient without running the node (``torch.autograd.grad``
-    asking for that output itself). In a unit's B (``is_deferring``) the node always runs (the engine's
-    backward takes every gradient); anywhere else the capture waits for the node itself, through a
-    pre-hook put on it for that backward only, so such a call leaves it alone as a node pre-hook would.
+    asking for that output itself). A ``torch.autograd.grad`` call the routing sees (``asks_inputs_only``)
+    takes nothing. Otherwise, in a unit's B (``is_deferring``) the node runs: the engine's backward
+    takes every gradient (a ``torch.autograd.grad`` asking for this output from inside a hook or a
+    custom Function's backward in B, unseen by the routing, is not supported). Anywhere else the
+    capture waits for the node itself, through a pre-hook put on it for that backward only, so such
+    a call leaves it alone as a node pre-hook would.
     """
 
     __slots__ = ("store", "key", "kept", "unpack", "version", "weight", "bias", "out", "out_version")
@@ -172,14 +181,16 @@ class GemmCapture:
         self.out, self.out_version = weakref.ref(out), out._version  # weak: the output's memory is not W's
 
     def __call__(self, grad: torch.Tensor | None) -> None:
-        if grad is None:
+        store = self.store
+        if grad is None or store.asks_inputs_only:
             return None
-        if self.store.is_deferring(self.key):
+        if store.is_deferring(self.key):
             return self._take(grad)
         out = self.out()
-        if out is None or out._version != self.out_version:
-            return self._take(grad)  # freed or changed in place since: nobody can ask for it as an input
-        out.grad_fn.register_prehook(partial(self._take_in, torch._C._current_graph_task_id()))
+        node = None if out is None or out._version != self.out_version else out.grad_fn
+        if node is None:  # freed, changed in place or detached since: nobody can ask for it as an input
+            return self._take(grad)
+        node.register_prehook(partial(self._take_in, torch._C._current_graph_task_id()))
         return None
 
     def _take_in(self, task: int, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -190,7 +201,7 @@ class GemmCapture:
 
     def _take(self, grad: torch.Tensor) -> None:
         # Let go of it here, as autograd frees a node's saved tensors when it runs: the meter and offload
-        # count it off now, and the parked work holds what W needs. A second backward finds nothing.
+        # count it off now, and the store holds what W needs. A second backward finds nothing.
         kept, self.kept = self.kept, _USED
         if kept is _USED:
             raise RuntimeError(
@@ -198,7 +209,9 @@ class GemmCapture:
                 "(retain_graph) is not supported in a split unit: its first backward already handed the input "
                 "to W. Run the unit's backward once, or pick a schedule without split backward")
         x = self.unpack(kept) if self.unpack is not None else kept
-        self.store.capture(self, x, grad)
+        # Detached now: a reentrant checkpoint's recomputed input carries its segment's graph, which
+        # must not live on (its input and gradient) until B ends. Its version counter stays shared.
+        self.store.capture(self, x.detach() if x.requires_grad else x, grad)
         return None
 
     def work(self, x: torch.Tensor, grad: torch.Tensor) -> MatmulWork:
@@ -208,5 +221,4 @@ class GemmCapture:
                 f"ds_vshape split backward: the input of {self.store.owner_of(self.weight)} was modified in place "
                 "after its forward, but its weight gradient needs it as the forward saw it: clone the tensor before "
                 "modifying it in place (as autograd itself would demand of a saved tensor)")
-        x = x.detach() if x.requires_grad else x  # a checkpoint's recomputed tensor may carry a graph
         return MatmulWork("linear", x, grad, self.weight, self.bias)

@@ -43,7 +43,7 @@ class HookStore(RoutingStore, Protocol):
 def route_forward(mod: nn.Module, store: HookStore, *, owner: bool) -> None:
     """The module's forward enters the routing itself: also when a checkpoint re-runs it in B.
 
-    Hooks rather than a patched ``forward``: a deep copy of the module stays a module of its own.
+    Hooks rather than a ``forward`` set on the instance: a deep copy would call the original's.
     """
     if getattr(mod, "_ds_vshape_store", None) is not None:
         return
@@ -73,9 +73,12 @@ def route_forward(mod: nn.Module, store: HookStore, *, owner: bool) -> None:
 
 class RoutedStage:
     """Put before a stage module's own class (``route_stage``): its forward enters the routing only
-    where the running unit's forward was routed whole."""
+    where the running unit's forward was routed whole, and sorts its outputs' custom Functions then.
+    (A forward routed by its modules only needs neither: a Function that takes a deferred parameter
+    outside the modules owning one keeps its scope routed whole. The module's own forward hooks now
+    run outside the routing; those of a whole-routed forward run inside the stage's mode anyway.)"""
 
-    _ds_vshape_bound: BoundStore
+    _ds_vshape_bound: BoundStore[HookStore]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         store = self._ds_vshape_bound.store
@@ -95,6 +98,8 @@ def route_stage(mod: nn.Module, store: HookStore) -> bool:
     """Make ``mod`` (a stage's own module owning no deferred parameter) a ``RoutedStage`` on ``store``,
     or re-bind one (a deep copy shares its store until then); False where its class cannot be swapped."""
     if not isinstance(mod, RoutedStage):
+        if "forward" in vars(mod):  # a forward set on the instance would pass the class's by: hooks then
+            return False
         cls = type(mod)
         try:
             sub = _STAGE_CLASSES.get(cls) or _STAGE_CLASSES.setdefault(cls, _stage_class(cls))

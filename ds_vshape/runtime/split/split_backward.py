@@ -143,13 +143,14 @@ class WeightGradStore:
         """``key``'s backward: B when ``defer``, else fused. A checkpointed forward re-run inside is routed too."""
         if defer:
             self._deferring.add(key)
+        start = len(self._captured)  # what an enclosing backward captured before this one stays
         try:
             with self._unit(key), DeferMode(self):
                 yield
             self._park_captured()
         finally:
             self._deferring.discard(key)
-            self._captured.clear()  # B raised: none of it is parked
+            del self._captured[start:]  # B raised: none of its captures are parked
 
     def deferring(self, key: Hashable) -> Any:
         """``key``'s B: parameter gradients are parked for ``run(key)``."""
@@ -261,12 +262,10 @@ class WeightGradStore:
             self._refs[ptr] = after
 
     def capture(self, capture: GemmCapture, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """B reached a GEMM split on the graph (``graph_linear``): its work is parked when B ends, a fused
-        backward runs it now; ``torch.autograd.grad`` (``inputs_only``) wants no parameter gradient, so
-        nothing runs. (Parked in one loop after B rather than here: Python run from inside autograd's
-        engine, once per GEMM, costs several times what the same lines cost in a loop of their own.)"""
-        if self._inputs_only:
-            return
+        """B reached a GEMM split on the graph (``graph_linear``): its work is parked when B ends (or
+        before the next work B parks, which keeps the order), a fused backward runs it now. (Parked in
+        one loop rather than here: Python run from inside autograd's engine, once per GEMM, costs
+        several times what the same lines cost in a loop of their own.)"""
         if capture.key in self._deferring:
             self._captured.append((capture, x, grad))
         else:
@@ -282,6 +281,11 @@ class WeightGradStore:
     def inputs_only(self) -> AbstractContextManager[None]:
         """A ``torch.autograd.grad`` call runs inside (the routing sees it): it leaves ``.grad`` alone."""
         return self._raised("_inputs_only")
+
+    @property
+    def asks_inputs_only(self) -> bool:
+        """A ``torch.autograd.grad`` call the routing saw is running: ``graph_linear``'s captures take nothing."""
+        return self._inputs_only > 0
 
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
