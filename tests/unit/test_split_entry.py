@@ -82,6 +82,17 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def _warmed() -> tuple[Block, Block, WeightGradStore]:
+    """A reference block, and a split one whose scope's first (whole-routed) unit is done and cleared."""
+    reference, block = Block(), Block()
+    store = WeightGradStore()
+    enable_split_backward([block], store)
+    _unit(block, store, 0, _x())
+    store.run(0)
+    block.zero_grad(set_to_none=True)
+    return reference, block, store
+
+
 def test_a_stage_module_becomes_a_routed_stage_of_its_own_class_without_hooks() -> None:
     block = Block()
     store = WeightGradStore()
@@ -141,11 +152,7 @@ def test_a_checkpoint_re_running_the_block_in_b_routes_it_as_its_forward_was(ree
 def test_a_split_forward_builds_no_python_hook_handle(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the scope's first forward is done, a forward registers its captures without one Python
     ``RemovableHandle`` (each linear layer's pre-hook built one before)."""
-    block = Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
+    _, block, store = _warmed()
     made: list[object] = []
     init = torch_hooks.RemovableHandle.__init__
 
@@ -165,12 +172,7 @@ def test_a_split_forward_builds_no_python_hook_handle(monkeypatch: pytest.Monkey
 def test_a_users_hook_on_the_output_can_be_removed() -> None:
     """The capture's hook dict takes the user's own hooks (and their handles' weak references): a hook
     removed before B changes nothing, one kept scales the weight gradient as in a fused backward."""
-    reference, block = Block(), Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
-    block.zero_grad(set_to_none=True)
+    reference, block, store = _warmed()
 
     def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = module.fc1(x)
@@ -219,12 +221,7 @@ def test_b_parks_in_the_order_it_reached_the_work_routed_and_captured_alike() ->
 def test_a_backward_outside_any_unit_takes_the_gradient_only_where_the_node_runs() -> None:
     """Outside a unit's B a capture waits for its node, for that backward only: ``torch.autograd.grad``
     asking for the output itself takes nothing, a fused backward after it runs the weight's work once."""
-    reference, block = Block(), Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
-    block.zero_grad(set_to_none=True)
+    reference, block, store = _warmed()
     x = _x(4).reshape(-1, DIM)  # 2-D: the linear's output is the GEMM's own (3-D with a bias: a view of it)
     with store.forward_of(1, scope="stage"):
         h = block.fc1(x.clone().requires_grad_())
@@ -297,12 +294,7 @@ def test_a_hugging_face_block_checkpointing_itself_splits_exactly(reentrant: boo
 def test_a_grad_call_the_routing_sees_in_b_takes_nothing() -> None:
     """``torch.autograd.grad`` asking for a linear layer's own output inside the unit's B (the routing
     sees it) leaves the capture alone: the unit's backward after it parks the weight's work once."""
-    reference, block = Block(), Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
-    block.zero_grad(set_to_none=True)
+    reference, block, store = _warmed()
     x = _x(5).reshape(-1, DIM)
     with store.forward_of(1, scope="stage"):
         h = block.fc1(x.clone().requires_grad_())
@@ -319,12 +311,7 @@ def test_a_grad_call_the_routing_sees_in_b_takes_nothing() -> None:
 def test_an_output_detached_in_place_still_gets_its_weight_gradient() -> None:
     """``detach_()`` on a linear layer's output after another op consumed it: the GEMM's node still runs
     in a backward outside any unit (fused), and the weight gradient arrives."""
-    reference, block = Block(), Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
-    block.zero_grad(set_to_none=True)
+    reference, block, store = _warmed()
     x = _x(6).reshape(-1, DIM)
     with store.forward_of(1, scope="stage"):
         h = block.fc1(x.clone().requires_grad_())
@@ -338,11 +325,7 @@ def test_an_output_detached_in_place_still_gets_its_weight_gradient() -> None:
 def test_b_holds_no_graph_of_a_reentrant_checkpoint_until_it_ends() -> None:
     """A reentrant checkpoint's re-run hands B a recomputed input with its segment's graph: the capture
     keeps it detached, so that graph (its input and gradient) is freed segment by segment."""
-    block = Block()
-    store = WeightGradStore()
-    enable_split_backward([block], store)
-    _unit(block, store, 0, _x())
-    store.run(0)
+    _, block, store = _warmed()
     kept: list[bool] = []
     with store.forward_of(1, scope="stage"):
         out = checkpoint(block, _x().requires_grad_(), use_reentrant=True)
