@@ -167,7 +167,8 @@ class GemmCapture:
     asking for that output itself). A ``torch.autograd.grad`` call the routing sees (``asks_inputs_only``)
     takes nothing. Otherwise, in a unit's B (``is_deferring``) the node runs: the engine's backward
     takes every gradient (a ``torch.autograd.grad`` asking for this output from inside a hook or a
-    custom Function's backward in B, unseen by the routing, is not supported). Anywhere else the
+    custom Function's backward in B, unseen by the routing, takes it first: the node's own turn then
+    fails as a second backward, naming the layer). Anywhere else the
     capture waits for the node itself, through a pre-hook put on it for that backward only, so such
     a call leaves it alone as a node pre-hook would.
     """
