@@ -72,7 +72,7 @@ if [[ $AUTO == 1 ]]; then
 fi
 if [[ $MEMORY == 1 ]]; then
     rm -f "$RAW/profile_memory_p4.jsonl"
-    # w_memory 0.5: the plan report_memory.py simulates and states (the schedules' default is 1 now).
+    # w_memory 0.5, as the committed results/profile_memory.md (report_memory.py states each case's own value).
     phase profile_memory_p4 benchmarks/bench_profile_memory.py --out "$RAW/profile_memory_p4.jsonl" --rounds "$MEMORY_ROUNDS" --w-memory 0.5
 fi
 [[ -f $RAW/auto_p4.jsonl ]] && report_args+=(--auto "$RAW/auto_p4.jsonl")
