@@ -408,12 +408,9 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
         # it needs no hooks of its own (a whole forward is routed from outside, a checkpoint re-run enters
         # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).
         owner = any(p.requires_grad and not store.grad_in_b(p) for p in own)
-        if take_over(mod, store):
-            pass
-        elif owner:
-            route_forward(mod, store, owner=True)
-        elif mod is top and not route_stage(mod, store):
-            route_forward(mod, store, owner=False)
+        # A stage's own module owning none routes by its class (route_stage), by hooks where that cannot be.
+        if not take_over(mod, store) and (owner or (mod is top and not route_stage(mod, store))):
+            route_forward(mod, store, owner=owner)
         count += bool(own)
     if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
         root.activation_checkpoint_func = routed_checkpoint(root.activation_checkpoint_func, store)
