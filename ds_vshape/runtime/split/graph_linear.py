@@ -34,12 +34,13 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 
 from .split_mode import RoutingStore, routing
 from .split_ops import MatmulWork
 
-__all__ = ["GRAPH", "GRAPH_BIAS", "PLAIN", "ROUTED", "BoundStore", "GemmCapture", "GraphLinearStore", "Plan", "SplitLinear",
-           "take_over"]
+__all__ = ["DERIVED", "GRAPH", "GRAPH_BIAS", "PLAIN", "ROUTED", "BoundStore", "GemmCapture", "GraphLinearStore", "Plan", "SplitLinear",
+           "any_autocast", "take_over"]
 
 S = TypeVar("S")  # the store a module taken over by class reports to
 
@@ -56,8 +57,23 @@ class Plan(IntEnum):
 PLAIN, GRAPH, GRAPH_BIAS, ROUTED = Plan.PLAIN, Plan.GRAPH, Plan.GRAPH_BIAS, Plan.ROUTED
 
 
+# The mark a parameter-computed tensor carries (an attribute on the tensor itself: looked up on every
+# operation of a routed forward, where a weak dictionary's lookup cost a tenth of the forward).
+DERIVED = "_ds_vshape_derived"
+# Autocast on any device sends a linear to the routed path: one C call, where asking about the
+# input's device builds a device object on every call of every split forward.
+any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+_grad_enabled = torch.is_grad_enabled
+
+
 class GraphLinearStore(RoutingStore, Protocol):
     """What the graph split asks of the store, besides the routing's questions."""
+
+    graph_key: Hashable | None  # the running unit, where its linear layers may split on the graph
+
+    @property
+    def in_b_ids(self) -> set[int]: ...
 
     def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> Plan: ...
 
@@ -97,7 +113,16 @@ class SplitLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         store = self._ds_vshape_bound.store
         weight, bias = self.weight, self.bias  # once: each read goes through nn.Module.__getattr__
-        plan = store.linear_plan(input, weight, bias)
+        key = store.graph_key
+        # The common call, checked here: every condition of ``linear_plan``'s GRAPH holds (its call alone is a
+        # measurable share of a host-bound forward). Anything else, a custom Function's output included, asks it.
+        if (key is not None and _grad_enabled() and weight.requires_grad and type(input) is torch.Tensor
+                and input.requires_grad and input.dim() >= 2 and id(weight) not in store.in_b_ids
+                and not hasattr(input, DERIVED) and not hasattr(weight, "ds_id") and not any_autocast()
+                and not isinstance(input.grad_fn, BackwardCFunction)):
+            plan = GRAPH if bias is None or not bias.requires_grad or id(bias) in store.in_b_ids else GRAPH_BIAS
+        else:
+            key, plan = store.current, store.linear_plan(input, weight, bias)
         if plan == PLAIN:
             return F.linear(input, weight, bias)
         if plan == ROUTED:
@@ -112,7 +137,7 @@ class SplitLinear(nn.Linear):
         # On the GEMM's own output: a 3-D input's output may be a view of it, and an in-place op on that view
         # would take the view's node out of the graph (a hook there would never fire).
         base = out if out._base is None else out._base
-        capture = GemmCapture(store, store.current, kept, unpack, version, weight, bias if bias_in_w else None, base)
+        capture = GemmCapture(store, key, kept, unpack, version, weight, bias if bias_in_w else None, base)
         # A tensor hook dict, registered as ``Tensor.register_hook`` registers one, but without the Python
         # ``RemovableHandle`` that ``register_hook`` or ``Node.register_prehook`` build on every call.
         base._backward_hooks = _LastHook(((_HOOK_KEY, capture),))

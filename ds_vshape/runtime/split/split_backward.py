@@ -27,8 +27,12 @@ path matches one of ``enable_split_backward``'s ``in_b`` patterns (``pipeline.we
 W then keeps less, B takes their time). They park nothing and never warn; a tensor computed
 from such parameters only is computed in B too (``grad_in_b``).
 
-W accumulates through autograd's engine on the parameter (its AccumulateGrad node), so DeepSpeed's
-post-accumulate hooks and the bf16 optimizer see the gradient as if autograd had produced it.
+W adds a GEMM's weight gradient into ``.grad`` itself where autograd would do nothing else (no
+hook on the parameter but the store's own: ``MatmulWork.add_to_grads``), the same bits without an
+autograd call per few parameters. Any other gradient, and every parameter with a hook (DeepSpeed's
+post-accumulate hooks, the bf16 optimizer's immediate update, a user's tensor hook), accumulates
+through autograd's engine on the parameter, so they see it as if autograd had produced it. (A hook
+put on the parameter's AccumulateGrad node itself is invisible from Python: W does not run it.)
 A deferred parameter whose gradient still lands during B (used in place, say, or by a custom
 Function whose backward computes it anyway) is exact but not deferred: a warning names its
 module (and the Function), once.
@@ -47,19 +51,12 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, GemmCapture, Plan, take_over
-from .in_b import matching, module_paths
-from .module_hooks import route_forward, route_stage, routed_checkpoint
+from .enable import enable_split_backward  # the store's entry point, here for its callers
+from .graph_linear import DERIVED as _DERIVED
+from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, GemmCapture, Plan, any_autocast
 from .split_mode import DeferMode, param_like
-from .split_ops import ParkedWork, accumulate
+from .split_ops import MatmulWork, ParkedWork, accumulate
 
-# The mark a parameter-computed tensor carries (an attribute on the tensor itself: looked up on every
-# operation of a routed forward, where a weak dictionary's lookup cost a tenth of the forward).
-_DERIVED = "_ds_vshape_derived"
-# Autocast on any device sends a linear to the routed path: one C call, where asking about the
-# input's device builds a device object on every call of every split forward.
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
 # GEMM weight gradients accumulated per autograd call in W: one call per GEMM cost more than its
 # Python and engine start-up is worth; a few at once hold only a few gradients' memory more.
 _BATCH = 8
@@ -84,12 +81,14 @@ class WeightGradStore:
         self._current: Hashable | None = None  # unit whose forward (or backward) is running
         self._deferring: set[Hashable] = set()
         self._suspended = 0
+        self.graph_key: Hashable | None = None  # see _refresh
         self._parked: dict[Hashable, list[ParkedWork]] = defaultdict(list)
         self._refs: dict[int, int] = {}  # storage -> parked references (q, k, v share one input)
         self._param_ids: set[int] = set()
         self._in_b: set[int] = set()  # adopted parameters whose gradients B computes (cheap, or named by in_b)
         self._param_ptrs: set[int] = set()  # parameter storages: never counted as parked
         self._owner: dict[int, str] = {}  # parameter id -> its module, for warnings
+        self._own_hooks: dict[int, int] = {}  # parameter id -> the key of the store's own hook in its hook dict
         self._warned: set[str] = set()
         self.parked_bytes = 0
         self._token = object()  # marks the tensors computed from this store's parameters
@@ -159,10 +158,18 @@ class WeightGradStore:
     @contextmanager
     def _unit(self, key: Hashable) -> Iterator[None]:
         previous, self._current = self._current, key
+        self._refresh()
         try:
             yield
         finally:
             self._current = previous
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """``graph_key``: the running unit where its linear layers may split on the graph (it is not
+        suspended, its forward not routed whole), else None: ``SplitLinear`` asks one attribute."""
+        key = self._current
+        self.graph_key = None if key is None or self._suspended or key in self._whole else key
 
     def suspended(self) -> AbstractContextManager[None]:
         """Operations run inside are not routed (split_ops re-running one operation)."""
@@ -172,10 +179,12 @@ class WeightGradStore:
     def _raised(self, counter: str) -> Iterator[None]:
         """``counter`` (a depth: nested calls add up) one higher while the block runs."""
         setattr(self, counter, getattr(self, counter) + 1)
+        self._refresh()
         try:
             yield
         finally:
             setattr(self, counter, getattr(self, counter) - 1)
+            self._refresh()
 
     # ---- what the routing asks -------------------------------------------------------------------
     @property
@@ -189,6 +198,11 @@ class WeightGradStore:
     def is_deferring(self, key: Hashable) -> bool:
         return key in self._deferring
 
+    @property
+    def in_b_ids(self) -> set[int]:
+        """The ids of the adopted parameters whose gradients B computes."""
+        return self._in_b
+
     def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
         """What a ``SplitLinear`` call runs as (``graph_linear.Plan``). ROUTED: a whole-routed forward, an
         input computed from parameters or without a gradient, a weight ZeRO-3 partitions, autocast (a
@@ -201,7 +215,7 @@ class WeightGradStore:
             return PLAIN if bias is None or not bias.requires_grad or id(bias) in in_b else ROUTED
         if key in self._whole or type(x) is not torch.Tensor or not x.requires_grad or x.dim() < 2 or hasattr(weight, "ds_id"):
             return ROUTED
-        if id(x) in self._param_ids or hasattr(x, _DERIVED) or _any_autocast():
+        if id(x) in self._param_ids or hasattr(x, _DERIVED) or any_autocast():
             return ROUTED
         if isinstance(x.grad_fn, BackwardCFunction) and param_like(self, x):  # a custom Function fed by parameters
             return ROUTED
@@ -291,12 +305,11 @@ class WeightGradStore:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         for work in self._parked.pop(key, []):
-            gradients = getattr(work, "gradients", None)
-            if gradients is None:
+            if not isinstance(work, MatmulWork):
                 _accumulate(batch)  # in order: this work may consume what the batch accumulates
                 work.run()
-            else:
-                batch.extend(gradients())
+            elif not work.add_to_grads(own_hooks=self._own_hooks):
+                batch.extend(work.gradients())
                 if len(batch) >= _BATCH:
                     _accumulate(batch)
             for t in work.held:
@@ -358,7 +371,8 @@ class WeightGradStore:
             # Autograd calls it with None where B returned None for the parameter: only a real one counts,
             # and not for a parameter that ``compute_in_b`` has moved to B since.
             pid = id(param)
-            param.register_hook(lambda grad: None if grad is None or pid in self._in_b else self._accumulated_in_b(owner))
+            handle = param.register_hook(lambda grad: None if grad is None or pid in self._in_b else self._accumulated_in_b(owner))
+            self._own_hooks[pid] = handle.id
 
     def _accumulated_in_b(self, owner: str) -> None:  # returns None: the gradient is left as it is
         if self._deferring and not self.is_suspended:
@@ -386,32 +400,3 @@ def _accumulate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if batch:
         accumulate([t for t, _ in batch], [g for _, g in batch])
         batch.clear()
-
-
-def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, root: nn.Module | None = None,
-                          in_b: Sequence[str] = ()) -> int:
-    """Defer to W the gradient of every trainable parameter inside ``modules``; returns how many
-    modules own such parameters. ``root`` (the whole model) names modules by their path in it.
-
-    ``in_b``: ``fnmatch`` patterns (``split.in_b``); a parameter whose module path matches one gets
-    its gradient in B, like a cheap one. A parameter frozen now (``requires_grad=False``) parks
-    nothing as long as it stays frozen.
-    """
-    count = 0
-    for top, mod, path in module_paths(modules, root=root):
-        own = list(mod.parameters(recurse=False))
-        named = bool(matching(path, in_b))
-        for param in own:
-            if id(param) not in store._param_ids:
-                store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
-        # A module whose trainable parameters are all computed in B (a norm) owns nothing W waits for:
-        # it needs no hooks of its own (a whole forward is routed from outside, a checkpoint re-run enters
-        # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).
-        owner = any(p.requires_grad and not store.grad_in_b(p) for p in own)
-        # A stage's own module owning none routes by its class (route_stage), by hooks where that cannot be.
-        if not take_over(mod, store) and (owner or (mod is top and not route_stage(mod, store))):
-            route_forward(mod, store, owner=owner)
-        count += bool(own)
-    if root is not None and callable(getattr(root, "activation_checkpoint_func", None)):
-        root.activation_checkpoint_func = routed_checkpoint(root.activation_checkpoint_func, store)
-    return count

@@ -8,7 +8,8 @@ see ``split_mode``) meets the activations. Its backward has two modes:
   B computes by design (``in_b``: norm scales and biases); what the other parameters'
   gradients need is parked in the store as a ``ParkedWork``, whose ``run()`` (the unit's W)
   accumulates them into ``.grad`` through autograd's engine on the parameter (``accumulate``), so
-  DeepSpeed's accumulate hooks and the bf16 optimizer see them exactly as from a fused backward.
+  DeepSpeed's accumulate hooks and the bf16 optimizer see them exactly as from a fused backward
+  (a GEMM's, where no hook waits, the store adds itself: ``MatmulWork.add_to_grads``).
 
 ``_SplitMatmul`` is the fast path for the GEMMs (``F.linear``, ``x @ W``, ``addmm``): B is one
 GEMM (plus the bias's row sum), W one GEMM, and it parks the input (the very tensor autograd
@@ -120,6 +121,50 @@ class MatmulWork:
     def run(self) -> None:
         pairs = self.gradients()
         accumulate([t for t, _ in pairs], [g for _, g in pairs])
+
+    def add_to_grads(self, *, own_hooks: dict[int, int]) -> bool:
+        """Add the gradients into ``.grad`` directly, without an autograd call (a first gradient becomes
+        ``.grad`` itself, as autograd would take it over); False, doing nothing, where autograd must
+        (``gradients`` then): a hook of any kind but the store's own (``own_hooks``: parameter id to its
+        key in the hook dict), a dtype that differs, a tensor that records history."""
+        grad, x, weight, bias = self.grad_out, self.x, self.weight, self.bias
+        if not (_plain_leaf(weight, own_hooks) and _plain_leaf(bias, own_hooks)):
+            return False
+        if grad.requires_grad or (bias is not None and bias.dtype != grad.dtype):
+            return False
+        if weight is not None and (x is None or x.requires_grad or not x.dtype == grad.dtype == weight.dtype):
+            return False
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if weight is not None:
+            x2 = x.reshape(-1, x.shape[-1])  # type: ignore[union-attr]
+            a, b = (g2.t(), x2) if self.kind == "linear" else (x2.t(), g2)
+            if weight.grad is None:
+                weight.grad = a.matmul(b)
+            else:  # the product, then the sum: bit for bit what autograd's accumulation adds (addmm_ rounds otherwise)
+                weight.grad.add_(a.matmul(b))
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = g2.sum(0)
+            else:
+                bias.grad.add_(g2.sum(0))
+        return True
+
+
+def _plain_leaf(t: torch.Tensor | None, own_hooks: dict[int, int]) -> bool:
+    """Autograd would add ``t``'s gradient into its ``.grad`` in place and run nothing else: a contiguous
+    leaf without hooks (``own_hooks`` names the store's own: a no-op outside B), its ``.grad`` absent or
+    plain. (Hooks put on its AccumulateGrad node itself cannot be seen from Python: not supported.)"""
+    if t is None:
+        return True
+    if not t.is_leaf or not t.requires_grad or t._post_accumulate_grad_hooks or not t.is_contiguous():
+        return False
+    hooks = t._backward_hooks
+    if hooks and (len(hooks) > 1 or own_hooks.get(id(t)) not in hooks):
+        return False
+    g = t.grad
+    if g is None:  # what W assigns must be what autograd would: a grad_dtype of its own is autograd's to cast to
+        return getattr(t, "grad_dtype", t.dtype) == t.dtype
+    return g.dtype == t.dtype and g.layout == torch.strided and not g.requires_grad  # the device: the setter's
 
 
 def _weight_grads(kind: str, x: torch.Tensor | None, grad_out: torch.Tensor, *, want_w: bool,
