@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import copy
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -67,12 +67,19 @@ def test_the_forward_runs_each_kind_of_call_as_the_store_plans_it(cheap_in_b: bo
     fc = block.fc1
     seen = set()
     for key, (name, context, x) in enumerate(_cases(block, store), start=10):
-        with store.forward_of(key, scope="stage"), context or _Null():
+        with store.forward_of(key, scope="stage"), context or nullcontext():
             want = store.linear_plan(x, fc.weight, fc.bias)
             assert _ran_as(fc, x) == want, name
         seen.add(want)
         assert _ran_as(fc, x) == PLAIN == store.linear_plan(x, fc.weight, fc.bias), f"{name}, outside any unit"
     assert seen == {PLAIN, ROUTED, GRAPH_BIAS if not cheap_in_b else GRAPH}
+    asked = []
+    real_plan = store.linear_plan
+    store.linear_plan = lambda *a: asked.append(a) or real_plan(*a)  # type: ignore[method-assign]
+    with store.forward_of(50, scope="stage"):
+        assert _ran_as(fc, _inputs(1)[0].requires_grad_()) in (GRAPH, GRAPH_BIAS)
+    assert asked == []  # the common call never asks the store
+    del store.linear_plan
     fc.weight.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
     try:
         with store.forward_of(99, scope="stage"):
@@ -88,19 +95,12 @@ def test_the_forward_runs_each_kind_of_call_as_the_store_plans_it(cheap_in_b: bo
     store.clear()
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _trained(hook: str | None, *, micro_batches: int = 3) -> tuple[dict[str, torch.Tensor], list[str], int]:
+def _trained(hook: str | None, *, micro_batches: int = 3, cheap_in_b: bool = True, block: nn.Module | None = None,
+             dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], list[str], int]:
     """Grads after F and B of each micro-batch, then the Ws, twice over (the second time into ``.grad``
     already there); the post-accumulate hooks' calls; the autograd accumulations W ran."""
-    block = Block()
-    store = WeightGradStore()
+    block = (block or Block()).to(dtype)
+    store = WeightGradStore(cheap_in_b=cheap_in_b)
     enable_split_backward([block], store)
     fired: list[str] = []
     for name, p in block.named_parameters():
@@ -123,29 +123,31 @@ def _trained(hook: str | None, *, micro_batches: int = 3) -> tuple[dict[str, tor
 
     split_backward._accumulate = counted
     try:
-        _split(block, store, _inputs(micro_batches))
-        _split(block, store, _inputs(micro_batches))
+        _split(block, store, [x.to(dtype) for x in _inputs(micro_batches)])
+        _split(block, store, [x.to(dtype) for x in _inputs(micro_batches)])
     finally:
         split_backward._accumulate = real
     return {n: p.grad.clone() for n, p in block.named_parameters()}, fired, calls
 
 
-def test_w_adds_into_grad_itself_with_the_bits_autograd_would():
-    direct, fired, calls = _trained(None)
-    through_autograd, fired_post, calls_post = _trained("post")  # a hook on every weight: autograd's engine
+@pytest.mark.parametrize("cheap_in_b", [True, False])  # off: the biases' gradients are W's too
+def test_w_adds_into_grad_itself_with_the_bits_autograd_would(cheap_in_b: bool) -> None:
+    direct, fired, calls = _trained(None, cheap_in_b=cheap_in_b)
+    through_autograd, fired_post, calls_post = _trained("post", cheap_in_b=cheap_in_b)  # a hook on each: the engine
     assert calls == 0 and fired == []
     # Once per W (2 rounds of 3 micro-batches), and once in the B of the scope's first forward (routed whole):
     # its GEMM node hands autograd None for the weight, and autograd calls the hook all the same.
     assert calls_post > 0 and fired_post.count("fc1.weight") == fired_post.count("fc2.weight") == 7
+    assert set(direct) == {n for n, _ in Block().named_parameters()}
     for name in direct:
         assert torch.equal(direct[name], through_autograd[name]), name
-    removed, _, calls_removed = _trained("removed")  # hooks put on and taken off again: none waits
+    removed, _, calls_removed = _trained("removed", cheap_in_b=cheap_in_b)  # hooks put on and taken off: none waits
     assert calls_removed == 0
     for name in direct:
         assert torch.equal(direct[name], removed[name]), name
 
 
-def test_a_tensor_hook_on_a_weight_changes_what_w_adds():
+def test_a_tensor_hook_on_a_weight_changes_what_w_adds() -> None:
     direct, _, _ = _trained(None)
     doubled, _, calls = _trained("tensor")
     assert calls > 0
@@ -156,19 +158,72 @@ def test_a_tensor_hook_on_a_weight_changes_what_w_adds():
             assert torch.equal(doubled[name], g), name
 
 
-def test_a_weight_frozen_before_w_gets_no_gradient_and_a_bf16_gradient_keeps_its_dtype():
+def test_bf16_weights_take_the_direct_path_with_the_same_bits() -> None:
+    direct, _, calls = _trained(None, dtype=torch.bfloat16)
+    through_autograd, _, calls_post = _trained("post", dtype=torch.bfloat16)
+    assert calls == 0 < calls_post
+    for name, g in direct.items():
+        assert g.dtype == torch.bfloat16 and torch.equal(g, through_autograd[name]), name
+
+
+class _CalledTwice(nn.Module):
+    """``fc`` applied twice in a unit: two works for one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+class _Tied(nn.Module):
+    """``fc1``'s weight used by its own layer and, transposed, by a routed GEMM after it (a tied head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tanh(self.fc1(x)), self.fc1.weight.t())
+
+
+@pytest.mark.parametrize("model", [_CalledTwice, _Tied])
+def test_a_weight_in_two_works_of_a_unit_sums_them_before_adding_as_autograd_does(model: type[nn.Module]) -> None:
+    """A fused backward sums a weight's two gradients before adding them into ``.grad``; W's batch through
+    autograd does too (one by one, the last bits differ): such a unit takes it, with the bits it gave before."""
+    split, _, calls = _trained(None, block=model())
+    through_autograd, _, _ = _trained("post", block=model())
+    assert calls > 0
+    for name, g in split.items():
+        assert torch.equal(g, through_autograd[name]), name
+    if model is _CalledTwice:  # (the tied one's order of the two sums is the batch's, not the fused backward's)
+        reference = model()
+        for x in _inputs(3) * 2:
+            reference(x.clone().requires_grad_()).square().sum().backward()
+        for name, p in reference.named_parameters():
+            assert torch.equal(split[name], p.grad), name
+
+
+def test_a_weight_frozen_before_w_gets_no_gradient_and_an_autocast_gemm_goes_through_autograd() -> None:
     block = Block()
     store = WeightGradStore()
     enable_split_backward([block], store)
     _warm(block, store)
     leaf = _inputs(1)[0].requires_grad_()
-    with store.forward_of(5, scope="stage"):
-        out = block(leaf)
+    with store.forward_of(5, scope="stage"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(leaf)  # routed: x and the output gradient in bf16, the weight fp32
     with store.deferring(5):
-        out.sum().backward()
+        out.float().sum().backward()
     block.fc1.weight.requires_grad_(False)
-    block.fc2.weight.grad = torch.zeros_like(block.fc2.weight, dtype=torch.bfloat16).float()
-    reference = copy.deepcopy(block.fc2.weight.grad)
-    store.run(5)
+    calls = []
+    real = split_backward._accumulate
+    split_backward._accumulate = lambda batch: calls.append(len(batch)) or real(batch)
+    try:
+        store.run(5)
+    finally:
+        split_backward._accumulate = real
     assert block.fc1.weight.grad is None
-    assert block.fc2.weight.grad.dtype == torch.float32 and not torch.equal(block.fc2.weight.grad, reference)
+    assert block.fc2.weight.grad is not None and block.fc2.weight.grad.dtype == torch.float32 and sum(calls) > 0

@@ -37,9 +37,8 @@ def enable_split_backward(modules: list[nn.Module], store: WeightGradStore, *, r
     for top, mod, path in module_paths(modules, root=root):
         own = list(mod.parameters(recurse=False))
         named = bool(matching(path, in_b))
-        for param in own:
-            if id(param) not in store._param_ids:
-                store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
+        for param in own:  # a parameter shared by two modules keeps its first adoption
+            store.adopt(param, f"{path or '<root>'} ({type(mod).__module__}.{type(mod).__qualname__})", in_b=named)
         # A module whose trainable parameters are all computed in B (a norm) owns nothing W waits for:
         # it needs no hooks of its own (a whole forward is routed from outside, a checkpoint re-run enters
         # through the stage's own modules), and a plain nn.Linear splits on autograd's graph (graph_linear).

@@ -46,7 +46,7 @@ S = TypeVar("S")  # the store a module taken over by class reports to
 
 
 class Plan(IntEnum):
-    """What a ``SplitLinear`` call runs as; the store's ``linear_plan`` decides, once per call."""
+    """What a ``SplitLinear`` call runs as: the store's ``linear_plan`` (the common call checked inline)."""
 
     PLAIN = 0  # no split unit's forward runs, or B computes every gradient the call has by design
     GRAPH = 1  # split on autograd's graph

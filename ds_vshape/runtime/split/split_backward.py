@@ -55,7 +55,7 @@ from .enable import enable_split_backward  # the store's entry point, here for i
 from .graph_linear import DERIVED as _DERIVED
 from .graph_linear import GRAPH, GRAPH_BIAS, PLAIN, ROUTED, GemmCapture, Plan, any_autocast
 from .split_mode import DeferMode, param_like
-from .split_ops import MatmulWork, ParkedWork, accumulate
+from .split_ops import GenericWork, MatmulWork, ParkedWork, accumulate
 
 # GEMM weight gradients accumulated per autograd call in W: one call per GEMM cost more than its
 # Python and engine start-up is worth; a few at once hold only a few gradients' memory more.
@@ -206,8 +206,9 @@ class WeightGradStore:
     def linear_plan(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
         """What a ``SplitLinear`` call runs as (``graph_linear.Plan``). ROUTED: a whole-routed forward, an
         input computed from parameters or without a gradient, a weight ZeRO-3 partitions, autocast (a
-        detached weight would miss autocast's cast cache: a copy of it saved per call). One call with
-        the attributes read inline: it runs for every linear layer of every split forward."""
+        detached weight would miss autocast's cast cache: a copy of it saved per call). ``SplitLinear.forward``
+        checks the common call itself (every condition of GRAPH, the same as here, on ``graph_key``) and
+        asks this for the rest; ``tests/unit/test_w_direct.py`` holds the two to the same answers."""
         key, in_b = self._current, self._in_b
         if key is None or self._suspended or not torch.is_grad_enabled():
             return PLAIN
@@ -304,11 +305,13 @@ class WeightGradStore:
     def run(self, key: Hashable) -> None:
         """The W pass of ``key``: every parked weight-gradient computation, accumulated into ``.grad``."""
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for work in self._parked.pop(key, []):
+        works = self._parked.pop(key, [])
+        direct = _each_once(works)
+        for work in works:
             if not isinstance(work, MatmulWork):
                 _accumulate(batch)  # in order: this work may consume what the batch accumulates
                 work.run()
-            elif not work.add_to_grads(own_hooks=self._own_hooks):
+            elif not (direct and work.add_to_grads(own_hooks=self._own_hooks)):
                 batch.extend(work.gradients())
                 if len(batch) >= _BATCH:
                     _accumulate(batch)
@@ -361,7 +364,10 @@ class WeightGradStore:
 
     # ---- setup --------------------------------------------------------------------------------------
     def adopt(self, param: nn.Parameter, owner: str, *, in_b: bool = False) -> None:
-        """Route ``param``'s gradient through W, or B when ``in_b`` or cheap; ``owner`` names its module in warnings."""
+        """Route ``param``'s gradient through W, or B when ``in_b`` or cheap; ``owner`` names its module in
+        warnings. A parameter adopted already (shared by two modules) keeps its first adoption."""
+        if id(param) in self._param_ids:
+            return
         self._param_ids.add(id(param))
         self._param_ptrs.add(param.untyped_storage().data_ptr())
         self._owner[id(param)] = owner
@@ -394,6 +400,27 @@ class WeightGradStore:
                           "whole in B, once: exact, but its weight-gradient work is not deferred to W. A backward that "
                           "computes each gradient only where ctx.needs_input_grad asks for it is split.",
                           SplitBackwardWarning, stacklevel=2)
+
+
+def _each_once(works: list[ParkedWork]) -> bool:
+    """Each parameter gets its gradient from one work only, and every work names its parameters themselves:
+    W may add the GEMMs' gradients one by one. (Where one parameter gets several, a fused backward sums
+    them before adding them into ``.grad``, as the engine's batch does; one by one, the last bits differ.)"""
+    seen: set[int] = set()
+    for work in works:
+        if isinstance(work, MatmulWork):
+            targets: Sequence[torch.Tensor | None] = (work.weight, work.bias)
+        elif isinstance(work, GenericWork):
+            targets = work.targets
+        else:  # a custom Function's: which parameters it reaches is its own business
+            return False
+        for t in targets:
+            if t is None:
+                continue
+            if not t.is_leaf or id(t) in seen:
+                return False
+            seen.add(id(t))
+    return True
 
 
 def _accumulate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -126,27 +126,22 @@ class MatmulWork:
         """Add the gradients into ``.grad`` directly, without an autograd call (a first gradient becomes
         ``.grad`` itself, as autograd would take it over); False, doing nothing, where autograd must
         (``gradients`` then): a hook of any kind but the store's own (``own_hooks``: parameter id to its
-        key in the hook dict), a dtype that differs, a tensor that records history."""
+        key in the hook dict), a dtype that differs, a tensor that records history. (``run`` always goes
+        through autograd: the fit's share of W run in B, a fused backward's capture.)"""
         grad, x, weight, bias = self.grad_out, self.x, self.weight, self.bias
-        if not (_plain_leaf(weight, own_hooks) and _plain_leaf(bias, own_hooks)):
+        if grad.requires_grad or not (_plain_leaf(weight, own_hooks) and _plain_leaf(bias, own_hooks)):
             return False
-        if grad.requires_grad or (bias is not None and bias.dtype != grad.dtype):
+        if (bias is not None and bias.dtype != grad.dtype) or (
+                weight is not None and (x is None or x.requires_grad or not x.dtype == grad.dtype == weight.dtype)):
             return False
-        if weight is not None and (x is None or x.requires_grad or not x.dtype == grad.dtype == weight.dtype):
-            return False
-        g2 = grad.reshape(-1, grad.shape[-1])
-        if weight is not None:
-            x2 = x.reshape(-1, x.shape[-1])  # type: ignore[union-attr]
-            a, b = (g2.t(), x2) if self.kind == "linear" else (x2.t(), g2)
-            if weight.grad is None:
-                weight.grad = a.matmul(b)
-            else:  # the product, then the sum: bit for bit what autograd's accumulation adds (addmm_ rounds otherwise)
-                weight.grad.add_(a.matmul(b))
-        if bias is not None:
-            if bias.grad is None:
-                bias.grad = g2.sum(0)
-            else:
-                bias.grad.add_(g2.sum(0))
+        grad_w, grad_b = _weight_grads(self.kind, x, grad, want_w=weight is not None, want_b=bias is not None)
+        for t, g in ((weight, grad_w), (bias, grad_b)):
+            if t is None or g is None:
+                continue
+            if t.grad is None:
+                t.grad = g
+            else:  # the product, then the sum: the bits autograd's accumulation gives (addmm_ would round otherwise)
+                t.grad.add_(g)
         return True
 
 
@@ -157,6 +152,8 @@ def _plain_leaf(t: torch.Tensor | None, own_hooks: dict[int, int]) -> bool:
     if t is None:
         return True
     if not t.is_leaf or not t.requires_grad or t._post_accumulate_grad_hooks or not t.is_contiguous():
+        return False
+    if hasattr(t, "ds_id"):  # ZeRO-3's partitioned parameter: its gradient is DeepSpeed's to place
         return False
     hooks = t._backward_hooks
     if hooks and (len(hooks) > 1 or own_hooks.get(id(t)) not in hooks):
