@@ -22,18 +22,6 @@ from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split
 from tests.unit.test_graph_linear import DIM, Block, _custom_nodes, _inputs, _Scale, _split, _warm
 
 
-class _Twice(torch.autograd.Function):
-    """A custom Function on an activation only: its output is not parameter-like (the layer still splits)."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
-        return x * 2.0
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
-        return g * 2.0
-
-
 def _ran_as(fc: nn.Linear, x: torch.Tensor) -> Plan:
     """How ``fc(x)`` ran, read off its output: a routed node or mark, the capture on the GEMM's output, or neither."""
     out = fc(x)
@@ -55,7 +43,7 @@ def _cases(block: Block, store: WeightGradStore) -> list[tuple[str, Any, torch.T
     return [("3-D", None, x), ("2-D", None, x[0]), ("1-D", None, x[0, 0]), ("no grad", nograd, x),
             ("input without gradient", None, x.detach()), ("autocast", autocast, x),
             ("computed from a parameter", None, _Scale.apply(block.fc1.weight)),
-            ("a custom Function's output", None, _Twice.apply(x)), ("suspended", store.suspended(), x)]
+            ("a custom Function's output", None, _Scale.apply(x)), ("suspended", store.suspended(), x)]
 
 
 @pytest.mark.parametrize("cheap_in_b", [True, False])

@@ -32,7 +32,7 @@ hook on the parameter but the store's own: ``MatmulWork.add_to_grads``), the sam
 autograd call per few parameters. Any other gradient, and every parameter with a hook (DeepSpeed's
 post-accumulate hooks, the bf16 optimizer's immediate update, a user's tensor hook), accumulates
 through autograd's engine on the parameter, so they see it as if autograd had produced it. (A hook
-put on the parameter's AccumulateGrad node itself is invisible from Python: W does not run it.)
+put on the parameter's AccumulateGrad node itself is invisible from Python: not run for what W adds itself.)
 A deferred parameter whose gradient still lands during B (used in place, say, or by a custom
 Function whose backward computes it anyway) is exact but not deferred: a warning names its
 module (and the Function), once.
