@@ -71,7 +71,8 @@ def test_the_forward_runs_each_kind_of_call_as_the_store_plans_it(cheap_in_b: bo
     fc.weight.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
     try:
         with store.forward_of(99, scope="stage"):
-            assert _ran_as(fc, _inputs(1)[0].requires_grad_()) == ROUTED == store.linear_plan(_inputs(1)[0].requires_grad_(), fc.weight, fc.bias)
+            x = _inputs(1)[0].requires_grad_()
+            assert _ran_as(fc, x) == ROUTED == store.linear_plan(x, fc.weight, fc.bias)
     finally:
         del fc.weight.ds_id
     store.compute_in_b([fc.weight])  # the fit moved its gradient to B
