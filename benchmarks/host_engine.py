@@ -54,7 +54,7 @@ import ds_vshape  # noqa: E402
 from recipes.cores import this_rank  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens  # noqa: E402
 from benchmarks.common import append_jsonl, cpu_model, git_commit  # noqa: E402
-from benchmarks.report_host_engine import write_report  # noqa: E402
+from benchmarks.report_host_engine import PASSES, write_report  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "HandlerClock", "build", "main"]
@@ -107,16 +107,19 @@ def build(schedule: str, seq_len: int, p: int) -> tuple[Any, int]:
 
 @dataclass
 class HandlerClock:
-    """Calls, wall and main-thread CPU seconds per instruction type, over one step."""
+    """Calls, wall and main-thread CPU seconds per instruction type, over one step; for the passes also
+    calls and CPU seconds per model stage (``Name@stage``: a V placement runs two stages per rank)."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wall: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     cpu: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    stages: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
 
     def reset(self) -> None:
         self.calls.clear()
         self.wall.clear()
         self.cpu.clear()
+        self.stages.clear()
 
     def instrument(self, engine: Any) -> None:
         """Time every handler: both engines dispatch through ``self._INSTRUCTION_MAP``, so an
@@ -124,19 +127,30 @@ class HandlerClock:
         engine._INSTRUCTION_MAP = {cls: self._timed(fn, cls.__name__) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
 
     def _timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        per_stage = name in PASSES
+
         def handler(engine: Any, *args: Any, **kwargs: Any) -> Any:
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(engine, *args, **kwargs)
             finally:
-                self.cpu[name] += time.thread_time() - cpu
+                spent = time.thread_time() - cpu
+                self.cpu[name] += spent
                 self.wall[name] += time.perf_counter() - wall
                 self.calls[name] += 1
+                if per_stage:  # ds_vshape's passes name their stage; DeepSpeed's run the rank's one
+                    entry = self.stages[f"{name}@{kwargs.get('stage', engine.stage_id)}"]
+                    entry[0] += 1
+                    entry[1] += spent
 
         return handler
 
     def snapshot(self) -> dict[str, list[float]]:
         return {name: [self.calls[name], self.wall[name], self.cpu[name]] for name in self.calls}
+
+    def stage_snapshot(self) -> dict[str, list[float]]:
+        """``Name@stage`` -> [calls, CPU seconds] for the passes."""
+        return {key: list(value) for key, value in self.stages.items()}
 
 
 class Runner:
@@ -164,7 +178,7 @@ class Runner:
         if timed:
             self.steps.append({"step_s": time.perf_counter() - wall, "local_s": local, "cpu_s": cpu, "process_cpu_s": proc,
                                "blocked": blocked, "preempted": preempted, "loss": loss, "load1": _load1(),
-                               "handlers": self.clock.snapshot()})
+                               "handlers": self.clock.snapshot(), "stage_passes": self.clock.stage_snapshot()})
 
 
 def _switches() -> tuple[int, int]:

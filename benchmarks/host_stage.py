@@ -14,7 +14,8 @@ sequences. Four ways of running one micro-batch, the same weights:
 * ``fused``: the forward and a fused backward, as DeepSpeed's 1F1B runs them;
 * ``torch split``: torch's own split (``torch.distributed.pipelining._backward``): B is
   ``stage_backward_input``, W ``stage_backward_weight``;
-* ``ds_vshape``: the forward routed for split backward, B deferring, W ``WeightGradStore.run``.
+* ``ds_vshape``: the forward routed for split backward, B deferring (with the store's parking at its
+  end), W ``WeightGradStore.run``.
 
 The ways take turns rep by rep, in a fresh random order each rep, the garbage collector off; each pass's
 median over the reps. Ratios are against ``fused`` F+B (whole micro-batch) and ``forward`` (F).
@@ -40,6 +41,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from contextlib import AbstractContextManager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -165,10 +167,10 @@ def _passes(stage: Stage, way: str, modules: list[nn.Module], x: tuple[Any, ...]
     if way == "ds_vshape":
         stage.key += 1
         key, store = stage.key, stage.store
-        with store.forward_of(key, scope="stage"):
-            out = clock("F", lambda: run_stage(modules, x))
-        with store.deferring(key):
-            clock("B", lambda: torch.autograd.backward(out, stage.grad))
+        # Each pass's clock takes in its context: the store's bookkeeping at B's end (parking what the
+        # GEMM captures handed over) is B's cost, as it is in the engine's BackwardInput.
+        out = clock("F", lambda: _within(store.forward_of(key, scope="stage"), lambda: run_stage(modules, x)))
+        clock("B", lambda: _within(store.deferring(key), lambda: torch.autograd.backward(out, stage.grad)))
         del out
         before = clock.allocated()
         clock("W", lambda: store.run(key))
@@ -185,6 +187,11 @@ def _passes(stage: Stage, way: str, modules: list[nn.Module], x: tuple[Any, ...]
         clock("W", lambda: stage_backward_weight(iter(params), groups))
         del groups
         clock.kept = before - clock.allocated()
+
+
+def _within(context: AbstractContextManager[Any], fn: Callable[[], Any]) -> Any:
+    with context:
+        return fn()
 
 
 def measure(stage: Stage, *, reps: int, warmup: int) -> dict[str, dict[str, float]]:

@@ -51,7 +51,7 @@ from transformers.cache_utils import Cache
 from .cache_role import query_length
 from .chunkable import chunk_refusal_message
 from .kv_buffer import KVBuffer
-from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime
+from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime, pass_memo
 
 __all__ = [
     "ChunkKVState",
@@ -351,8 +351,9 @@ def block_runtime(config: PretrainedConfig, block: Recipe | None, *, stores_kv: 
     ``stores_kv`` whether the block stored keys/values through the model's cache when traced.
     """
     active = _ACTIVE.get()
-    if active is None:
-        return Runtime(**kwargs)
+    if active is None:  # a block shares the pass's rotary and mask outputs with the other blocks
+        memo = pass_memo(kwargs.get("key_mask"), kwargs.get("hidden")) if block is not None else None
+        return Runtime(memo=memo, **kwargs)
     # Normally refused at initialize already (ds_vshape.hf.seq_chunk_refusal); this
     # covers layers run by hand and configs changed after initialize.
     refusal = chunk_refusal_message(config, block, stores_kv=stores_kv)

@@ -39,6 +39,7 @@ __all__ = [
     "RopeRef",
     "Runtime",
     "Trace",
+    "pass_memo",
     "trace_model",
 ]
 
@@ -100,10 +101,12 @@ class Runtime:
         input_ids: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         ropes: Mapping[str, nn.Module] | None = None,
+        memo: dict[int, Any] | None = None,
     ) -> None:
         self._hidden, self._input_ids, self._key_mask = hidden, input_ids, key_mask
         self._ropes = ropes or {}
-        self._memo: dict[int, Any] = {}
+        # Rotary and mask outputs by recipe; ``pass_memo``'s when the blocks of a pass share them.
+        self._memo: dict[int, Any] = {} if memo is None else memo
 
     def call(self, fn: Callable[..., Any], recipe: Recipe) -> Any:
         args = [self._resolve(arg) for arg in recipe.positional]
@@ -146,7 +149,7 @@ class Runtime:
         return mask.builder(*args, **kwargs)
 
     def _once(self, key: object, compute: Callable[[], Any]) -> Any:
-        # Blocks of one layer may share a mask/rotary output; compute it once.
+        # Blocks may share a mask/rotary output (one recipe object per model output); compute it once.
         if id(key) not in self._memo:
             self._memo[id(key)] = compute()
         return self._memo[id(key)]
@@ -157,6 +160,30 @@ class Runtime:
         ref = self._hidden if self._hidden is not None else self._input_ids
         assert ref is not None
         return torch.arange(ref.shape[1], device=ref.device)
+
+
+# The attribute under which a forward pass's key mask carries the outputs its blocks share (``pass_memo``).
+_PASS_MEMO = "_ds_vshape_pass_memo"
+
+
+def pass_memo(key_mask: torch.Tensor | None, hidden: torch.Tensor | None) -> dict[int, Any] | None:
+    """The rotary and mask outputs the decoder blocks of one forward pass share, as the model's own
+    forward computes them once for all its layers (per block they were a measurable share of a
+    host-bound forward). Kept on the pass's key mask, which the embedding layer makes and every block
+    hands on unchanged: they live as long as the pass's tensors. Keyed by what they depend on
+    besides the key mask's identity: its version (written in place: built anew), the hidden states'
+    dtype, shape and device, and grad mode. None without a plain key-mask tensor."""
+    if type(key_mask) is not torch.Tensor or hidden is None:
+        return None
+    memos = key_mask.__dict__.get(_PASS_MEMO)
+    if memos is None:
+        memos = {}
+        setattr(key_mask, _PASS_MEMO, memos)
+    where = (key_mask._version, hidden.dtype, hidden.shape, hidden.device, torch.is_grad_enabled())
+    memo = memos.get(where)
+    if memo is None:
+        memo = memos[where] = {}
+    return memo
 
 
 # ------------------------------------------------------------------------- trace

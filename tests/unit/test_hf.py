@@ -450,6 +450,60 @@ def test_only_position_dependent_outputs_are_recomputed_per_block() -> None:
     hf_analysis._check_position_only(rotary, recipe, "model.rotary_emb", example=example)  # accepted
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_blocks_of_one_pass_build_rotary_and_masks_once(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the model's own forward: once per pass for all blocks (gemma2: one sliding, one full mask), again
+    # in the next pass, and the same logits and gradients as building them in every block.
+    model = make_model(arch)
+    specs, _ = hf.pipeline_layers(model)
+    stage = Sequential(specs)
+    blocks = [m for m in stage.modules if isinstance(m, hf.layers.HFDecoderBlock)]
+    built = {"RopeRef": 0, "MaskRecipe": 0}
+    once = hf_tracing.Runtime._once
+
+    def counting(self: hf_tracing.Runtime, key: object, compute: Callable[[], Any]) -> Any:
+        def counted() -> Any:
+            built[type(key).__name__] += 1
+            return compute()
+
+        return once(self, key, counted)
+
+    monkeypatch.setattr(hf_tracing.Runtime, "_once", counting)
+    in_block = [{id(a.value) for a in (*b._recipe.positional, *b._recipe.keyword) if a.kind is hf_tracing.Kind.MASK}
+                for b in blocks]
+    masks = len(set().union(*in_block))
+    input_ids, _ = make_batch(1)
+
+    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits = stage(input_ids)
+        grads = torch.autograd.grad(logits.square().sum(), [p for p in stage.parameters() if p.requires_grad])
+        return logits.detach(), list(grads)
+
+    shared = logits_and_grads()
+    assert built == {"RopeRef": 1, "MaskRecipe": masks} and masks == (2 if arch == "gemma2" else 1)
+    logits_and_grads()
+    assert built == {"RopeRef": 2, "MaskRecipe": 2 * masks}
+    monkeypatch.setattr(hf.attention, "pass_memo", lambda *_: None)  # every block builds its own
+    per_block = logits_and_grads()
+    assert built == {"RopeRef": 2 + len(blocks), "MaskRecipe": 2 * masks + sum(map(len, in_block))}
+    assert torch.equal(shared[0], per_block[0]) and all(torch.equal(a, b) for a, b in zip(shared[1], per_block[1]))
+
+
+def test_pass_memo_is_per_key_mask_version_and_hidden_layout() -> None:
+    key_mask, hidden = torch.ones(2, 5, dtype=torch.long), torch.zeros(2, 5, 8)
+    memo = hf_tracing.pass_memo(key_mask, hidden)
+    assert memo is not None and hf_tracing.pass_memo(key_mask, hidden.clone()) is memo
+    others = [hf_tracing.pass_memo(key_mask.clone(), hidden), hf_tracing.pass_memo(key_mask, hidden.double()),
+              hf_tracing.pass_memo(key_mask, torch.zeros(2, 4, 8))]
+    with torch.no_grad():
+        others.append(hf_tracing.pass_memo(key_mask, hidden))
+    key_mask[0, 0] = 0  # written in place: what was built from it is stale
+    others.append(hf_tracing.pass_memo(key_mask, hidden))
+    assert all(other is not None and other is not memo for other in others)
+    assert len({id(m) for m in others}) == len(others)
+    assert hf_tracing.pass_memo(None, hidden) is None
+
+
 def test_sharded_and_base_model_checkpoints(tmp_path: Path) -> None:
     model = make_model("llama", tie_word_embeddings=True)
     input_ids, labels = make_batch(6)
