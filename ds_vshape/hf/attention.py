@@ -51,7 +51,8 @@ from transformers.cache_utils import Cache
 from .cache_role import query_length
 from .chunkable import chunk_refusal_message
 from .kv_buffer import KVBuffer
-from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime, pass_memo
+from .pass_memo import pass_memo
+from .tracing import Arg, Kind, MaskRecipe, Recipe, Runtime
 
 __all__ = [
     "ChunkKVState",
@@ -351,7 +352,7 @@ def block_runtime(config: PretrainedConfig, block: Recipe | None, *, stores_kv: 
     ``stores_kv`` whether the block stored keys/values through the model's cache when traced.
     """
     active = _ACTIVE.get()
-    if active is None:  # a block shares the pass's rotary and mask outputs with the other blocks
+    if active is None:  # built once per pass, as the model's own forward builds them (in a chunk: per block)
         memo = pass_memo(kwargs.get("key_mask"), kwargs.get("hidden")) if block is not None else None
         return Runtime(memo=memo, **kwargs)
     # Normally refused at initialize already (ds_vshape.hf.seq_chunk_refusal); this

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .cache_role import TraceCache, call_with_cache
+from .pass_memo import history_free
 
 __all__ = [
     "Arg",
@@ -39,7 +40,6 @@ __all__ = [
     "RopeRef",
     "Runtime",
     "Trace",
-    "pass_memo",
     "trace_model",
 ]
 
@@ -92,7 +92,8 @@ class RopeRef:
 
 
 class Runtime:
-    """Resolves recipe arguments for one forward call of one pipeline layer."""
+    """Resolves recipe arguments for one forward call of one pipeline layer (with ``memo``, sharing the
+    rotary and mask outputs with the other layers of the pass that hold the same memo)."""
 
     def __init__(
         self,
@@ -105,8 +106,10 @@ class Runtime:
     ) -> None:
         self._hidden, self._input_ids, self._key_mask = hidden, input_ids, key_mask
         self._ropes = ropes or {}
-        # Rotary and mask outputs by recipe; ``pass_memo``'s when the blocks of a pass share them.
-        self._memo: dict[int, Any] = {} if memo is None else memo
+        # Rotary and mask outputs by recipe: ``memo`` where the blocks of a pass share them (``pass_memo``),
+        # ``_own`` for what this call must build itself (a rotary module with a history of its own).
+        self._own: dict[int, Any] = {}
+        self._memo: dict[int, Any] = self._own if memo is None else memo
 
     def call(self, fn: Callable[..., Any], recipe: Recipe) -> Any:
         args = [self._resolve(arg) for arg in recipe.positional]
@@ -131,7 +134,11 @@ class Runtime:
             return None
         if kind is Kind.ROPE:
             ref: RopeRef = arg.value
-            return self._once(ref, lambda: self.call(self._ropes[ref.path], ref.recipe))
+            rope = self._ropes[ref.path]
+            # A rotary module whose buffers follow the lengths it has seen (HF's "dynamic" types) keeps its
+            # own output: each block's copy must see every pass, or a block re-run in backward would differ.
+            memo = self._memo if history_free(rope) else self._own
+            return self._once(ref, lambda: self.call(rope, ref.recipe), memo=memo)
         mask: MaskRecipe = arg.value
         return self._once(mask, lambda: self._build_mask(mask))
 
@@ -148,11 +155,12 @@ class Runtime:
         kwargs = {arg.name: resolve(arg) for arg in mask.recipe.keyword}
         return mask.builder(*args, **kwargs)
 
-    def _once(self, key: object, compute: Callable[[], Any]) -> Any:
+    def _once(self, key: object, compute: Callable[[], Any], *, memo: dict[int, Any] | None = None) -> Any:
         # Blocks may share a mask/rotary output (one recipe object per model output); compute it once.
-        if id(key) not in self._memo:
-            self._memo[id(key)] = compute()
-        return self._memo[id(key)]
+        memo = self._memo if memo is None else memo
+        if id(key) not in memo:
+            memo[id(key)] = compute()
+        return memo[id(key)]
 
     def _positions(self) -> torch.Tensor:
         # No KV cache and no packing: positions are always 0..s-1, as HF does
@@ -160,30 +168,6 @@ class Runtime:
         ref = self._hidden if self._hidden is not None else self._input_ids
         assert ref is not None
         return torch.arange(ref.shape[1], device=ref.device)
-
-
-# The attribute under which a forward pass's key mask carries the outputs its blocks share (``pass_memo``).
-_PASS_MEMO = "_ds_vshape_pass_memo"
-
-
-def pass_memo(key_mask: torch.Tensor | None, hidden: torch.Tensor | None) -> dict[int, Any] | None:
-    """The rotary and mask outputs the decoder blocks of one forward pass share, as the model's own
-    forward computes them once for all its layers (per block they were a measurable share of a
-    host-bound forward). Kept on the pass's key mask, which the embedding layer makes and every block
-    hands on unchanged: they live as long as the pass's tensors. Keyed by what they depend on
-    besides the key mask's identity: its version (written in place: built anew), the hidden states'
-    dtype, shape and device, and grad mode. None without a plain key-mask tensor."""
-    if type(key_mask) is not torch.Tensor or hidden is None:
-        return None
-    memos = key_mask.__dict__.get(_PASS_MEMO)
-    if memos is None:
-        memos = {}
-        setattr(key_mask, _PASS_MEMO, memos)
-    where = (key_mask._version, hidden.dtype, hidden.shape, hidden.device, torch.is_grad_enabled())
-    memo = memos.get(where)
-    if memo is None:
-        memo = memos[where] = {}
-    return memo
 
 
 # ------------------------------------------------------------------------- trace

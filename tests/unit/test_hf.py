@@ -36,6 +36,7 @@ from transformers import (
 
 from ds_vshape import hf
 from ds_vshape.hf import analysis as hf_analysis
+from ds_vshape.hf import pass_memo as hf_pass_memo
 from ds_vshape.hf import tracing as hf_tracing
 from ds_vshape.hf import weights as hf_weights
 
@@ -461,12 +462,12 @@ def test_blocks_of_one_pass_build_rotary_and_masks_once(arch: str, monkeypatch: 
     built = {"RopeRef": 0, "MaskRecipe": 0}
     once = hf_tracing.Runtime._once
 
-    def counting(self: hf_tracing.Runtime, key: object, compute: Callable[[], Any]) -> Any:
+    def counting(self: hf_tracing.Runtime, key: object, compute: Callable[[], Any], **kw: Any) -> Any:
         def counted() -> Any:
             built[type(key).__name__] += 1
             return compute()
 
-        return once(self, key, counted)
+        return once(self, key, counted, **kw)
 
     monkeypatch.setattr(hf_tracing.Runtime, "_once", counting)
     in_block = [{id(a.value) for a in (*b._recipe.positional, *b._recipe.keyword) if a.kind is hf_tracing.Kind.MASK}
@@ -489,19 +490,63 @@ def test_blocks_of_one_pass_build_rotary_and_masks_once(arch: str, monkeypatch: 
     assert torch.equal(shared[0], per_block[0]) and all(torch.equal(a, b) for a, b in zip(shared[1], per_block[1]))
 
 
-def test_pass_memo_is_per_key_mask_version_and_hidden_layout() -> None:
+def test_pass_memo_keeps_the_latest_pass_only() -> None:
     key_mask, hidden = torch.ones(2, 5, dtype=torch.long), torch.zeros(2, 5, 8)
-    memo = hf_tracing.pass_memo(key_mask, hidden)
-    assert memo is not None and hf_tracing.pass_memo(key_mask, hidden.clone()) is memo
-    others = [hf_tracing.pass_memo(key_mask.clone(), hidden), hf_tracing.pass_memo(key_mask, hidden.double()),
-              hf_tracing.pass_memo(key_mask, torch.zeros(2, 4, 8))]
+    memo = hf_pass_memo.pass_memo(key_mask, hidden)
+    assert memo is not None and hf_pass_memo.pass_memo(key_mask, hidden.clone()) is memo
+    others = [hf_pass_memo.pass_memo(key_mask.clone(), hidden), hf_pass_memo.pass_memo(key_mask, hidden.double()),
+              hf_pass_memo.pass_memo(key_mask, torch.zeros(2, 4, 8))]
     with torch.no_grad():
-        others.append(hf_tracing.pass_memo(key_mask, hidden))
+        others.append(hf_pass_memo.pass_memo(key_mask, hidden))
     key_mask[0, 0] = 0  # written in place: what was built from it is stale
-    others.append(hf_tracing.pass_memo(key_mask, hidden))
+    others.append(hf_pass_memo.pass_memo(key_mask, hidden))
     assert all(other is not None and other is not memo for other in others)
     assert len({id(m) for m in others}) == len(others)
-    assert hf_tracing.pass_memo(None, hidden) is None
+    assert hf_pass_memo.pass_memo(key_mask, hidden) is others[-1]
+    del key_mask  # its pass's outputs go with it
+    assert hf_pass_memo._LAST.memo is None
+    with torch.inference_mode():  # no version counter to tell a key mask written in place
+        assert hf_pass_memo.pass_memo(torch.ones(2, 5, dtype=torch.long), hidden) is None
+    assert hf_pass_memo.pass_memo(None, hidden) is None
+
+
+class _Rope(nn.Module):
+    def __init__(self, rope_type: Any) -> None:
+        super().__init__()
+        self.rope_type, self.calls = rope_type, 0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return position_ids.to(x.dtype)
+
+
+@pytest.mark.parametrize(("rope_type", "shared"), [("default", True), ({"full": "yarn", "sliding": "default"}, True),
+                                                   ("dynamic", False), ({"full": "dynamic", "sliding": "default"}, False),
+                                                   (None, False)])
+def test_only_history_free_rotary_outputs_are_shared(rope_type: Any, shared: bool) -> None:
+    # A "dynamic" rotary module's frequencies follow the longest sequence it has seen (and a module of
+    # unknown kind may keep anything): each block's copy must see every pass, as before.
+    recipe = hf_tracing.Recipe((hf_tracing.Arg("x", hf_tracing.Kind.HIDDEN),),
+                               (hf_tracing.Arg("position_ids", hf_tracing.Kind.POSITIONS),))
+    ref = hf_tracing.RopeRef("rope", recipe)
+    arg = hf_tracing.Arg("position_embeddings", hf_tracing.Kind.ROPE, ref)
+    memo: dict[int, Any] = {}
+    ropes = [_Rope(rope_type) for _ in range(3)]
+    hidden = torch.zeros(2, 5, 4)
+    outputs = [hf_tracing.Runtime(hidden=hidden, ropes={"rope": rope}, memo=memo)._resolve(arg) for rope in ropes]
+    assert [rope.calls for rope in ropes] == ([1, 0, 0] if shared else [1, 1, 1])
+    assert hf_pass_memo.history_free(ropes[0]) is shared and all(torch.equal(o, outputs[0]) for o in outputs)
+
+
+def test_inference_mode_builds_per_block() -> None:
+    # Inference tensors have no version counter: the blocks build their own, with the same logits.
+    specs, _ = hf.pipeline_layers(make_model("llama"))
+    stage = Sequential(specs)
+    input_ids, _ = make_batch(2)
+    with torch.no_grad():
+        logits = stage(input_ids)
+    with torch.inference_mode():
+        torch.testing.assert_close(stage(input_ids), logits, rtol=0, atol=0)
 
 
 def test_sharded_and_base_model_checkpoints(tmp_path: Path) -> None:
