@@ -175,8 +175,8 @@ def _per_stage_table(steps: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
     out = ["## Passes per model stage", "",
            "Each rank's passes by the model stage they run (a V placement runs two per rank, the first and last on rank 0):",
            "main-thread CPU µs per call (median over steps), calls per step in brackets, and the stage's passes in ms per",
-           "step. The recipe's 8 blocks are cut by parameter count: 4 per stage at p=2, 2 per stage on 4 V stages; the",
-           "embedding goes with the first stage, the final norm, LM head and loss with the last.", "",
+           "step. The recipe's cut by parameter count (not `+profile`'s) puts its 8 blocks 4 per stage at p=2 and 2 per",
+           "stage on 4 V stages; the embedding goes with the first stage, the final norm, LM head and loss with the last.", "",
            "| schedule | rank | stage | F | B | W | fused BW | passes per step (ms) |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
     for schedule, rank, stage, kinds in rows:
         cells = [f"{kinds[n][0]:,.0f} ({kinds[n][1]:g})" if n in kinds else "" for n in
