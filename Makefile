@@ -95,9 +95,6 @@ clean-venv:
 bench-zero: venv
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29533 benchmarks/bench_zero.py
 
-# Host cost where the host is the bottleneck (issue 28): the engine's per-instruction CPU against DeepSpeed's
-# PipelineEngine, and whole steps of every schedule against DeepSpeed 1F1B, at p=2 on the recipe's tiny Llama,
-# one core per rank (benchmarks/results/host_engine.md), about 3 minutes on 2 idle cores.
 # Host cost where the host is the bottleneck (issue 28): one stage's F, B, W on tiny shapes, one thread, fused against
 # torch's split and ds_vshape's (benchmarks/results/host_stage.md), then the engines at p=2, one core per rank, per
 # instruction and per step against DeepSpeed's own (benchmarks/results/host_engine.md); a few minutes on 2 idle cores.

@@ -57,7 +57,7 @@ from benchmarks.common import append_jsonl, cpu_model, git_commit  # noqa: E402
 from benchmarks.report_host_engine import PASSES, write_report  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
-__all__ = ["SCHEDULES", "HandlerClock", "build", "main"]
+__all__ = ["SCHEDULES", "HandlerClock", "build", "main", "stage_layers"]
 
 SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h2", "v-zb", "v-half", "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
@@ -228,12 +228,33 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()  # gloo's threads can abort the process at interpreter teardown
 
 
+def stage_layers(module: Any) -> dict[str, str]:
+    """Model stage -> the layers the engine's cut gives it ("embedding + 4 blocks"): ds_vshape's module
+    names every model stage's bounds (``stage_parts``), DeepSpeed's one stage per rank (``parts``)."""
+    bounds = getattr(module, "stage_parts", None) or module.parts
+    specs = module._layer_specs
+    return {str(s): _describe([_layer_name(specs[i]) for i in range(bounds[s], bounds[s + 1])]) for s in range(len(bounds) - 1)}
+
+
+def _layer_name(spec: Any) -> str:
+    name = getattr(getattr(spec, "typename", None), "__name__", type(spec).__name__)
+    return {"HFEmbedding": "embedding", "HFDecoderBlock": "block", "HFFinalNorm": "final norm", "HFLMHead": "LM head"}.get(name, name)
+
+
+def _describe(names: list[str]) -> str:
+    parts: list[str] = []
+    for name in dict.fromkeys(names):  # in order of first appearance
+        n = names.count(name)
+        parts.append(name if n == 1 else f"{n} {name}s")
+    return " + ".join(parts) or "none"
+
+
 def _report(runner: Runner, round_: int, out: Path, rank: int, p: int) -> None:
     ranks: list[Any] = [None] * p
     dist.all_gather_object(ranks, runner.steps)
     if rank == 0:
         append_jsonl(out, {"kind": "steps", "schedule": runner.schedule, "round": round_, "tokens_per_step": runner.tokens,
-                           "ranks": ranks})
+                           "layers": stage_layers(runner.engine.module), "ranks": ranks})
         med = sorted(s["step_s"] for s in ranks[0])[len(ranks[0]) // 2]
         print(f"[host_engine round {round_}] {runner.schedule:15s} step {1e3 * med:7.1f} ms  "
               f"{runner.tokens / med:9,.0f} tok/s", flush=True)

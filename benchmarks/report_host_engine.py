@@ -33,12 +33,17 @@ ROWS = ("LoadMicroBatch", "ForwardPass", "FusedBackward", "BackwardInput", "Back
         "ReduceGrads", "OptimizerStep")
 
 
-def load(path: Path) -> tuple[dict[str, Any], dict[str, list[list[dict[str, Any]]]], dict[str, int], dict[str, Any]]:
-    """(setting, per schedule its ranks' timed steps over all rounds, tokens per step, end record)."""
+Layers = dict[str, dict[str, str]]  # schedule -> model stage -> the layers its cut gives it
+
+
+def load(path: Path) -> tuple[dict[str, Any], dict[str, list[list[dict[str, Any]]]], dict[str, int], dict[str, Any], Layers]:
+    """(setting, per schedule its ranks' timed steps over all rounds, tokens per step, end record, the cut
+    per schedule: empty for records from before it was recorded)."""
     setting: dict[str, Any] = {}
     end: dict[str, Any] = {}
     steps: dict[str, list[list[dict[str, Any]]]] = {}
     tokens: dict[str, int] = {}
+    layers: Layers = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec["kind"] == "setting":
@@ -50,7 +55,9 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, list[list[dict[str, Any]
             for mine, got in zip(ranks, rec["ranks"]):
                 mine.extend(got)
             tokens[rec["schedule"]] = rec["tokens_per_step"]
-    return setting, steps, tokens, end
+            if "layers" in rec:
+                layers[rec["schedule"]] = rec["layers"]
+    return setting, steps, tokens, end, layers
 
 
 def _med(values: Iterable[float]) -> float:
@@ -123,7 +130,7 @@ def whole_steps(steps: dict[str, list[list[dict[str, Any]]]], tokens: dict[str, 
 
 
 def render(path: Path) -> str:
-    setting, steps, tokens, end = load(path)
+    setting, steps, tokens, end, layers = load(path)
     rows = whole_steps(steps, tokens)
     base = next((r for r in rows if r["schedule"] == BASE), rows[0])
     out = _header(setting, end, steps)
@@ -147,7 +154,7 @@ def render(path: Path) -> str:
             s = rank_split(r)
             out.append(f"| {schedule} | {i} | {s['cpu']:.1f} | {s['passes']:.1f} | {s['transfers']:.1f} | {s['other']:.1f} "
                        f"| {s['outside']:.1f} | {s['local']:.1f} | {s['blocked']:.0f} | {s['preempted']:.0f} |")
-    return "\n".join(out + [""] + _per_instruction(steps) + [""] + _per_stage_table(steps))
+    return "\n".join(out + [""] + _per_instruction(steps) + [""] + _per_stage_table(steps, layers=layers))
 
 
 def _per_instruction(steps: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
@@ -167,21 +174,23 @@ def _per_instruction(steps: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
     return out
 
 
-def _per_stage_table(steps: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
+def _per_stage_table(steps: dict[str, list[list[dict[str, Any]]]], *, layers: Layers | None = None) -> list[str]:
     rows = [(schedule, rank, stage, kinds) for schedule, ranks in steps.items() for rank, r in enumerate(ranks)
             for stage, kinds in sorted(per_stage(r).items())]
     if not rows:
         return []
+    cut = layers or {}
     out = ["## Passes per model stage", "",
            "Each rank's passes by the model stage they run (a V placement runs two per rank, the first and last on rank 0):",
-           "main-thread CPU µs per call (median over steps), calls per step in brackets, and the stage's passes in ms per",
-           "step. The recipe's cut by parameter count (not `+profile`'s) puts its 8 blocks 4 per stage at p=2 and 2 per",
-           "stage on 4 V stages; the embedding goes with the first stage, the final norm, LM head and loss with the last.", "",
-           "| schedule | rank | stage | F | B | W | fused BW | passes per step (ms) |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+           "the layers the engine's cut gave the stage (the LM head layer holds the final norm; the loss goes with it),",
+           "main-thread CPU µs per call (median over steps) with calls per step in brackets, and the stage's passes in ms",
+           "per step.", "",
+           "| schedule | rank | stage | layers | F | B | W | fused BW | passes per step (ms) |", "|---|--:|--:|---|--:|--:|--:|--:|--:|"]
     for schedule, rank, stage, kinds in rows:
         cells = [f"{kinds[n][0]:,.0f} ({kinds[n][1]:g})" if n in kinds else "" for n in
                  ("ForwardPass", "BackwardInput", "BackwardWeight", "FusedBackward")]
-        out.append(f"| {schedule} | {rank} | {stage} | " + " | ".join(cells) + f" | {kinds['all'][0]:.1f} |")
+        where = cut.get(schedule, {}).get(str(stage), "?")
+        out.append(f"| {schedule} | {rank} | {stage} | {where} | " + " | ".join(cells) + f" | {kinds['all'][0]:.1f} |")
     return out + [""]
 
 

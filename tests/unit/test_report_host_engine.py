@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.host_engine import HandlerClock
+from transformers import LlamaConfig
+
+from benchmarks.host_engine import HandlerClock, stage_layers
 from benchmarks.report_host_engine import _per_stage_table, per_stage
+from ds_vshape.hf import pipeline_layers
 
 
 def _step(**passes: list[float]) -> dict[str, Any]:
@@ -22,7 +26,18 @@ def test_passes_per_stage_take_medians_per_call_and_total_each_stage() -> None:
     assert got[3]["ForwardPass"] == (5_500.0, 8)  # a step without the pass does not count as a call
     assert per_stage([{"handlers": {}}]) == {}
     assert _per_stage_table({"v-zb": [[{"handlers": {}}]]}) == []  # records from before the per-stage figures
-    assert any(r.startswith("| v-zb | 0 | 3 | 5,500 (8) |") for r in _per_stage_table({"v-zb": [steps]}))
+    assert any(r.startswith("| v-zb | 0 | 3 | ? | 5,500 (8) |") for r in _per_stage_table({"v-zb": [steps]}))  # no cut recorded
+    table = _per_stage_table({"v-zb": [steps]}, layers={"v-zb": {"0": "embedding + 2 blocks", "3": "2 blocks"}})
+    assert any(r.startswith("| v-zb | 0 | 3 | 2 blocks | 5,500 (8) |") for r in table)
+
+
+def test_the_cut_is_named_by_the_layers_of_each_stage() -> None:
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, vocab_size=32)
+    specs, _ = pipeline_layers(config, attn_implementation="sdpa")  # embedding, 4 blocks, LM head (with the final norm)
+    v_cut = SimpleNamespace(stage_parts=[0, 2, 4, 5, 6], _layer_specs=specs)  # ds_vshape's module: every model stage
+    assert stage_layers(v_cut) == {"0": "embedding + block", "1": "2 blocks", "2": "block", "3": "LM head"}
+    stock = SimpleNamespace(parts=[0, 3, 6], _layer_specs=specs)  # DeepSpeed's: one stage per rank
+    assert stage_layers(stock) == {"0": "embedding + 2 blocks", "1": "2 blocks + LM head"}
 
 
 def test_the_clock_counts_passes_by_the_stage_they_name() -> None:
