@@ -21,7 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["history_free", "pass_memo"]
+__all__ = ["Memo", "history_free", "pass_memo"]
+
+# Rotary and mask outputs by recipe: the recipe object's id -> (the recipe itself, its output). The
+# entry keeps the recipe alive, so its id names it for as long as the entry lives.
+Memo = dict[int, tuple[object, Any]]
 
 
 class _LastPass(threading.local):
@@ -29,13 +33,13 @@ class _LastPass(threading.local):
 
     key_mask: weakref.ref[torch.Tensor] | None = None
     where: Hashable = None
-    memo: dict[int, Any] | None = None
+    memo: Memo | None = None
 
 
 _LAST = _LastPass()
 
 
-def pass_memo(key_mask: torch.Tensor | None, hidden: torch.Tensor | None) -> dict[int, Any] | None:
+def pass_memo(key_mask: torch.Tensor | None, hidden: torch.Tensor | None) -> Memo | None:
     """The memo the decoder blocks running on ``key_mask`` share, or None (build per block): no plain
     key-mask tensor, or an inference-mode one (no version counter to tell a mask written in place).
 

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .cache_role import TraceCache, call_with_cache
-from .pass_memo import history_free
+from .pass_memo import Memo, history_free
 
 __all__ = [
     "Arg",
@@ -102,14 +102,14 @@ class Runtime:
         input_ids: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         ropes: Mapping[str, nn.Module] | None = None,
-        memo: dict[int, Any] | None = None,
+        memo: Memo | None = None,
     ) -> None:
         self._hidden, self._input_ids, self._key_mask = hidden, input_ids, key_mask
         self._ropes = ropes or {}
         # Rotary and mask outputs by recipe: ``memo`` where the blocks of a pass share them (``pass_memo``),
         # ``_own`` for what this call must build itself (a rotary module with a history of its own).
-        self._own: dict[int, Any] = {}
-        self._memo: dict[int, Any] = self._own if memo is None else memo
+        self._own: Memo = {}
+        self._memo: Memo = self._own if memo is None else memo
 
     def call(self, fn: Callable[..., Any], recipe: Recipe) -> Any:
         args = [self._resolve(arg) for arg in recipe.positional]
@@ -155,12 +155,15 @@ class Runtime:
         kwargs = {arg.name: resolve(arg) for arg in mask.recipe.keyword}
         return mask.builder(*args, **kwargs)
 
-    def _once(self, key: object, compute: Callable[[], Any], *, memo: dict[int, Any] | None = None) -> Any:
+    def _once(self, key: object, compute: Callable[[], Any], *, memo: Memo | None = None) -> Any:
         # Blocks may share a mask/rotary output (one recipe object per model output); compute it once.
+        # The entry holds its recipe: a pass memo outlives the layers that filled it where another model
+        # runs on the same key mask, and a freed recipe's id may then name a new recipe of another kind.
         memo = self._memo if memo is None else memo
-        if id(key) not in memo:
-            memo[id(key)] = compute()
-        return memo[id(key)]
+        entry = memo.get(id(key))
+        if entry is None or entry[0] is not key:
+            entry = memo[id(key)] = (key, compute())
+        return entry[1]
 
     def _positions(self) -> torch.Tensor:
         # No KV cache and no packing: positions are always 0..s-1, as HF does

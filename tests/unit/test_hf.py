@@ -510,6 +510,19 @@ def test_pass_memo_keeps_the_latest_pass_only() -> None:
     assert hf_pass_memo.pass_memo(None, hidden) is None
 
 
+def test_a_memo_entry_keeps_its_recipe_so_no_other_recipe_takes_its_id() -> None:
+    # A pass memo outlives the layers that filled it when another model runs on the same key mask (a
+    # reference model and its pipeline copy, say): a recipe freed with its model must not leave its output
+    # to whichever new recipe CPython puts at the freed address (a rotary pair handed over as a mask).
+    memo: hf_pass_memo.Memo = {}
+    runtime = hf_tracing.Runtime(memo=memo)
+    built = [runtime._once(object(), lambda: ("cos", "sin")) for _ in range(3)] + [runtime._once(object(), lambda: "mask")]
+    assert built == [("cos", "sin")] * 3 + ["mask"] and len(memo) == 4
+    recipe = object()
+    memo[id(recipe)] = (object(), "stale")  # an entry under this id from another recipe
+    assert runtime._once(recipe, lambda: "fresh") == "fresh" and runtime._once(recipe, lambda: "again") == "fresh"
+
+
 class _Rope(nn.Module):
     def __init__(self, rope_type: Any) -> None:
         super().__init__()
@@ -530,7 +543,7 @@ def test_only_history_free_rotary_outputs_are_shared(rope_type: Any, shared: boo
                                (hf_tracing.Arg("position_ids", hf_tracing.Kind.POSITIONS),))
     ref = hf_tracing.RopeRef("rope", recipe)
     arg = hf_tracing.Arg("position_embeddings", hf_tracing.Kind.ROPE, ref)
-    memo: dict[int, Any] = {}
+    memo: hf_pass_memo.Memo = {}
     ropes = [_Rope(rope_type) for _ in range(3)]
     hidden = torch.zeros(2, 5, 4)
     outputs = [hf_tracing.Runtime(hidden=hidden, ropes={"rope": rope}, memo=memo)._resolve(arg) for rope in ropes]
