@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from .direct_embedding import runs_embedding_alone
 from .tracing import Arg, Call, Kind, MaskRecipe, Recipe, RopeRef, Runtime, Trace
 
 __all__ = [
@@ -49,6 +50,7 @@ class Anatomy:
     base_recipe: Recipe
     block_recipes: tuple[Recipe, ...]
     stores_kv: tuple[bool, ...]  # per block: stored keys/values through the model's cache in the trace
+    embedding_alone: bool = False  # the first block receives the token embedding's output as it is
 
 
 @dataclass
@@ -86,7 +88,8 @@ def analyse(lm: PreTrainedModel, trace: Trace) -> Anatomy:
     )
     relative_embedding = embedding[len(base) + 1 :] if base else embedding
     stores = tuple(_stores_kv(trace, f"{layers}.{index}") for index in range(count))
-    return Anatomy(base, layers, count, norm, head, relative_embedding, tied, base_recipe, blocks, stores)
+    alone = runs_embedding_alone(lm, trace, base=base, layers=layers, embedding=embedding, ropes=known.ropes)
+    return Anatomy(base, layers, count, norm, head, relative_embedding, tied, base_recipe, blocks, stores, alone)
 
 
 def _stores_kv(trace: Trace, path: str) -> bool:

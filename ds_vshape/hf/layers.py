@@ -107,6 +107,9 @@ class HFEmbedding(nn.Module):
             hollowed[anatomy.norm[len(anatomy.base) + 1 :]] = nn.Identity()
         self.body = plan.build(anatomy.base, hollowed)
         self.embedding_path = anatomy.embedding
+        # The token embedding alone where the trace shows that it is all the first block receives
+        # (``direct_embedding``): the base model's forward would build masks and rotary outputs for nobody.
+        self._alone = anatomy.embedding_alone
         self._recipe = anatomy.base_recipe
         self._pad_token_id = plan.pad_token_id
         self._logit_ops = plan.logit_ops
@@ -116,6 +119,8 @@ class HFEmbedding(nn.Module):
         ids = _unwrap(input_ids)
         pad = self._pad_token_id
         key_mask = torch.ones_like(ids) if pad is None else (ids != pad).long()
+        if self._alone:  # looked up per call: the module may be replaced (wrapped, injected) after build
+            return self.body.get_submodule(self.embedding_path)(ids), key_mask
         out = block_runtime(self._config, None, input_ids=ids, key_mask=key_mask).call(self.body, self._recipe)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden, key_mask

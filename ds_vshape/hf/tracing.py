@@ -181,6 +181,7 @@ class Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any
+    output_version: int | None = None  # the output's version counter when the call ended (a tensor output)
 
 
 @dataclass
@@ -196,6 +197,10 @@ class Trace:
     calls: dict[str, list[Call]] = field(default_factory=dict)
     masks: list[_MaskCall] = field(default_factory=list)
     input_mask: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    training: bool = False  # the model was in training mode (a dropout then shows as a new tensor)
+    # Version counters of the tensors each module received, when it started (its first call): id -> version.
+    start_versions: dict[str, dict[int, int]] = field(default_factory=dict)
     offer_cache: bool = False  # hand a TraceCache to the first forward with a Cache-typed parameter
     cache: TraceCache | None = None  # the cache handed to the model, once a forward took it
     cache_updates: list[int] = field(default_factory=list)  # len(events) at each K/V update through it
@@ -213,7 +218,7 @@ def trace_model(lm: PreTrainedModel, *, with_padding: bool) -> Trace:
     box = [Trace()]  # the hooks read the trace to fill from a box, so a retry can swap in a fresh one
     handles = []
     for path, module in lm.named_modules():
-        handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path)))
+        handles.append(module.register_forward_pre_hook(functools.partial(_on_start, box, path), with_kwargs=True))
         handles.append(module.register_forward_pre_hook(functools.partial(_hand_cache, box), with_kwargs=True))
         handles.append(module.register_forward_hook(functools.partial(_on_end, box, path), with_kwargs=True))
     plain_error: Exception | None = None  # what the model's plain fp32 forward ran into
@@ -241,7 +246,7 @@ def _run_on_meta(
 ) -> None:
     input_ids = torch.zeros(_TRACE_BATCH, _TRACE_SEQ, dtype=torch.long, device="meta")
     key_mask = torch.ones_like(input_ids) if with_padding else None
-    trace.input_mask = key_mask
+    trace.input_mask, trace.input_ids, trace.training = key_mask, input_ids, lm.training
     trace.offer_cache = with_cache
     inputs = {"input_ids": input_ids, "attention_mask": key_mask, "use_cache": False}
     with _recording_mask_builders(lm, trace.masks), _autocast_accepting_meta():
@@ -271,8 +276,12 @@ def _autocast_accepting_meta() -> Iterator[None]:
         torch.autocast, torch.is_autocast_enabled = real, real_enabled  # type: ignore[misc]
 
 
-def _on_start(box: list[Trace], path: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-    box[0].events.append(("start", path))
+def _on_start(box: list[Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    trace = box[0]
+    trace.events.append(("start", path))
+    if path not in trace.start_versions:  # what an in-place change between two modules would show
+        values = (*args, *kwargs.values())
+        trace.start_versions[path] = {id(t): t._version for t in values if isinstance(t, torch.Tensor)}
 
 
 def _hand_cache(
@@ -293,7 +302,8 @@ def _on_end(
     box: list[Trace], path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> None:
     box[0].events.append(("end", path))
-    box[0].calls.setdefault(path, []).append(Call(args, dict(kwargs), output))
+    version = output._version if isinstance(output, torch.Tensor) else None
+    box[0].calls.setdefault(path, []).append(Call(args, dict(kwargs), output, version))
 
 
 def _meta_state(lm: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
