@@ -97,7 +97,8 @@ def _unwrap(inputs: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class HFEmbedding(nn.Module):
-    """Layer 0: the model's own base-model forward with no blocks and no final norm."""
+    """Layer 0: the model's own base-model forward with no blocks and no final norm, or the token
+    embedding alone where the trace shows that its output is all the first block receives."""
 
     def __init__(self, plan: _Plan) -> None:
         super().__init__()
