@@ -144,12 +144,15 @@ def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_what_they_wai
     assert not process_alive(killed["holder"]), f"{name}: the killed rank's socket holder {killed['holder']} outlived the case"
     case = next(c for c in CASES if c["name"] == name)
     p, step = case["p"], case.get("named_step", case["kill_step"])
+    # A death found in the step after the kill (post-validation's optimistic step): the survivors first finish
+    # the step the kill interrupted, then wait out the timeout in the next, so one more margin of work.
+    bound = TIMEOUT_S + MARGIN_S * (2 if step != case["kill_step"] else 1)
     for rank, got in res["ranks"].items():
         if rank == str(KILL_RANK):
             continue
         took = got["ended"] - killed["at"]
         assert got["exit"] == 1, f"{name} rank {rank}: exit status {got['exit']} ({got['error']})"
-        assert took <= TIMEOUT_S + MARGIN_S, f"{name} rank {rank}: exited {took:.1f} s after the kill ({got['error']})"
+        assert took <= bound, f"{name} rank {rank}: exited {took:.1f} s after the kill, bound {bound:g} s ({got['error']})"
         error = got["error"] or ""
         assert error.split(": ", 1)[0].rsplit(".", 1)[-1] in NAMED, f"{name} rank {rank}: {error!r}"
         stage = int(rank) % p if p == 4 else int(rank) // 2  # PP2xDP2: global rank = stage * 2 + replica
