@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from .nccl_emulation.settings import FIRST_CONTACT_ENV, ONE_QUEUE_ENV, SYNCHRONIZE_ENV, env_switch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +82,7 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     # so that a hang names where each rank waits.
     env.setdefault("DS_VSHAPE_TEST_DUMP_AFTER_S", str(max(timeout - 20, 10)))
     try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = run_ranks(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         log = _text(err.stdout) + _text(err.stderr)
         (workdir / "log.txt").write_text(log)
@@ -91,6 +93,54 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+GRACE_S = 10.0  # how long a timed-out launch's processes get to end on SIGTERM before SIGKILL
+
+
+def run_ranks(cmd: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a command that starts ranks (torchrun, the fault driver); past ``timeout`` end all it started.
+
+    torchrun starts each rank in a session of its own, so killing torchrun alone would leave its
+    ranks running: they would keep the cores busy, so that every later launch runs slower, up
+    to its own timeout, and one of them may hold the lock of a DeepSpeed op's build, on which
+    every later rank then waits forever. On timeout the command and every process below it get
+    SIGTERM, then SIGKILL after ``GRACE_S``; raises ``subprocess.TimeoutExpired`` with the output so far.
+    """
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_process_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired as late:  # a process outside the tree still holds the pipes
+            out, err = _text(late.stdout), _text(late.stderr)
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def end_process_tree(pid: int) -> None:
+    """SIGTERM to ``pid`` and every process below it, then SIGKILL to those still there after ``GRACE_S``."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for each in tree:
+        try:
+            each.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+    for each in alive:
+        try:
+            each.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=GRACE_S)
 
 
 def _text(out: bytes | str | None) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ALL_RULES, ROOT, default_mode, emulation_env, process_alive
+from .launch import ALL_RULES, ROOT, default_mode, emulation_env, process_alive, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -101,7 +100,7 @@ def _run(cases: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:
     # rules (first contact, synchronize, one queue) as the environment sets them.
     emulation_env(env, default_mode())
     cmd = [sys.executable, "-m", "tests.distributed.fault_driver", str(workdir / "cases.json"), str(workdir), str(CONCURRENT)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_ranks(cmd, env=env, timeout=600)
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"fault driver exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .launch import ROOT, free_port
+from .launch import ROOT, free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 RECIPE = ROOT / "recipes" / "train_hf.py"
@@ -30,7 +29,7 @@ def _train(workdir: Path, *extra: str, timeout: int = 300, config: str | Path = 
     path = config if isinstance(config, Path) else ROOT / "ds_configs" / f"{config}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
            str(RECIPE), "--deepspeed_config", str(path), *extra]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(cmd, env=env, timeout=timeout)
     log = proc.stdout + proc.stderr
     (workdir / f"log-{len(list(workdir.glob('log-*')))}.txt").write_text(log)
     if proc.returncode != 0:

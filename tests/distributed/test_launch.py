@@ -1,0 +1,59 @@
+"""The launcher's own guarantees: a timed-out launch leaves no process behind, a dead build's lock is cleared.
+
+torchrun starts each rank in a session of its own, as the command below starts its child: a
+timeout that killed only the command left that child running (holding the cores, or a build
+lock every later rank waits on), and every later launch of the session timed out behind it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .deepspeed_ops import clear_stale_locks
+from .launch import process_alive, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+# A parent that starts a child in a new session (as torchrun starts ranks), prints its pid, then waits.
+_PARENT = ("import subprocess, sys, time; "
+           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+           "print(child.pid, flush=True); time.sleep(600)")
+
+
+def test_a_timed_out_launch_ends_the_processes_it_started_in_sessions_of_their_own() -> None:
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        run_ranks([sys.executable, "-c", _PARENT], env=dict(os.environ), timeout=3)
+    child = int(err.value.stdout.split()[0])  # the output so far comes with the timeout
+    assert not process_alive(child) or _zombie(child), f"the child {child} outlived the timed-out launch"
+    assert time.monotonic() - started < 60
+
+
+def test_a_finished_launch_returns_its_output_and_status() -> None:
+    proc = run_ranks([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], env=dict(os.environ), timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (3, "out")
+
+
+def test_only_a_lock_no_build_touched_for_long_is_cleared(tmp_path: Path) -> None:
+    old, fresh = tmp_path / "old_op" / "lock", tmp_path / "torch_ver" / "fresh_op" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    with pytest.warns(UserWarning, match="left by a killed process"):
+        assert clear_stale_locks(tmp_path, older_than_s=900) == [old]
+    assert not old.exists() and fresh.exists()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return False
