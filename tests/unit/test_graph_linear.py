@@ -265,6 +265,23 @@ def test_the_host_stage_benchmark_runs_every_way(tmp_path: Any) -> None:
     assert "x fused" in text and "F x plain" in text
 
 
+def test_the_host_profile_benchmark_profiles_each_pass_alone(tmp_path: Any) -> None:
+    """``benchmarks/host_profile.py``, a few reps: a section per profiled pass, each with only its own pass's calls."""
+    from benchmarks import host_profile
+
+    out = tmp_path / "host_profile.md"
+    assert host_profile.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1", "--top", "40",
+                              "--out", str(out)]) == 0
+    sections = dict(part.split("\n", 1) for part in out.read_text().split("\n## ")[1:])
+    assert list(sections) == [f"{way}: {p}" for way, passes in host_profile.PROFILED.items() for p in passes]
+    # The GEMM capture runs in ds_vshape's B (one call per linear layer) and in no forward.
+    def rows(section: str) -> list[str]:
+        return [line for line in sections[section].splitlines() if "graph_linear.py" in line and "__call__" in line]
+
+    assert rows("ds_vshape: B") and not rows("ds_vshape: F") and not rows("fused: B")
+    assert "run_backward" not in sections["ds_vshape: F"] and "run_backward" in sections["fused: B"]
+
+
 def test_the_split_parts_benchmark_prints_every_variant(capsys: Any) -> None:
     """``benchmarks/split_parts.py`` (each variant in a process of its own), a few reps: a row per variant."""
     from benchmarks import split_parts
