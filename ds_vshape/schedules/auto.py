@@ -19,6 +19,7 @@ smaller one on a tie); a share given as a number is used as is.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,9 @@ def check_auto_options(schedule: str, *, placement: str | None, warmup_steps: in
                              f"auto_placement {family!r}; remove it or change auto_placement")
 
 
+# Cached: the config asks it twice at the front door (the first schedule, then auto's settings), each a
+# generation and a simulation; the answer depends on its arguments alone.
+@functools.lru_cache(maxsize=64)
 def measuring_schedule(placement: str, *, stages: int, micro_batches: int, memory_limit: float | None,
                        chunks: int | None, seq_chunks: int, w_memory: float) -> tuple[str, float | None]:
     """The schedule auto's measuring steps run, and its memory limit (M_B).

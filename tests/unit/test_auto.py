@@ -6,7 +6,8 @@ import pytest
 
 from ds_vshape.config import ConfigError, parse_pipeline_config
 from ds_vshape.schedules import Costs, generate, get_info, schedule_names, simulate
-from ds_vshape.schedules.auto import SAFE, AutoSettings, Measured, candidates, make_chosen, peak_bytes, pick, to_costs
+from ds_vshape.schedules.auto import (SAFE, AutoSettings, Measured, candidates, make_chosen, measuring_schedule, peak_bytes, pick,
+                                     to_costs)
 from ds_vshape.schedules.placement import placement_name
 
 
@@ -107,6 +108,16 @@ def test_auto_measures_within_the_memory_limit(placement: str, limit: float, mea
     assert schedule.name == measured_under and simulate(schedule, costs).max_peak_memory <= limit + 1e-9
     settings = vs.auto_settings(zero_stage=0, stages=4, micro_batches=8)
     assert settings.safe == measured_under and settings.warmup_limit == (limit if measured_under == "zb-auto" else None)
+
+
+def test_the_measuring_schedule_is_worked_out_once_per_config() -> None:
+    """make_schedule and auto_settings ask the same pure question: the second asking is answered from the cache."""
+    measuring_schedule.cache_clear()
+    vs = parse_pipeline_config({"pipeline": {"schedule": "auto", "auto_placement": "linear", "memory_limit": 2.0}})
+    vs.make_schedule(4, 8)
+    vs.auto_settings(zero_stage=0, stages=4, micro_batches=8)
+    info = measuring_schedule.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
 
 
 def test_below_the_least_a_placement_holds_auto_measures_under_that_least() -> None:
