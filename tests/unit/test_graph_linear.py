@@ -282,6 +282,23 @@ def test_the_host_profile_benchmark_profiles_each_pass_alone(tmp_path: Any) -> N
     assert "run_backward" not in sections["ds_vshape: F"] and "run_backward" in sections["fused: B"]
 
 
+def test_the_gradient_edge_prototype_equals_a_fused_backward(tmp_path: Any) -> None:
+    """``benchmarks/split_capture_edges.py``: B through ``torch.autograd.grad`` on the GEMMs' gradient edges,
+    W from what it returned: every gradient a fused backward's, and a row per way."""
+    from benchmarks import split_capture_edges as edges
+    from benchmarks import host_stage
+
+    torch.manual_seed(host_stage.SEED)
+    stage = host_stage.build(blocks=1, seq_len=8, micro_batch=2)
+    modules, in_b = edges._edge_modules(stage)
+    assert in_b and all(p.dim() == 1 for p in in_b)  # only the norms' weights: every matrix goes through W
+    assert edges.check(stage, modules, in_b) <= 1e-6
+    out = tmp_path / "edges.md"
+    assert edges.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    assert [line.split(" | ")[0] for line in out.read_text().splitlines() if line.startswith("| ") and "x |" in line] == [
+        f"| {way}" for way in edges.WAYS]
+
+
 def test_the_split_parts_benchmark_prints_every_variant(capsys: Any) -> None:
     """``benchmarks/split_parts.py`` (each variant in a process of its own), a few reps: a row per variant."""
     from benchmarks import split_parts
