@@ -8,15 +8,17 @@ lock every later rank waits on), and every later launch of the session timed out
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from .deepspeed_ops import clear_stale_locks
-from .launch import process_alive, run_ranks
+from .deepspeed_ops import EXTENSIONS_ENV, clear_stale_locks, extensions_dir
+from .launch import launch, process_alive, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -38,6 +40,32 @@ def test_a_timed_out_launch_ends_the_processes_it_started_in_sessions_of_their_o
 def test_a_finished_launch_returns_its_output_and_status() -> None:
     proc = run_ranks([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], env=dict(os.environ), timeout=60)
     assert (proc.returncode, proc.stdout.strip()) == (3, "out")
+
+
+def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last CI's hang, made on purpose: the session's built op with a lock beside it, as a rank
+    killed in its build leaves it. The launch times out; the log shows each rank's stack (SIGTERM
+    makes every rank print it, whenever its imports finished), and no rank is left running."""
+    folder = tmp_path / "extensions"
+    shutil.copytree(extensions_dir(), folder)
+    for lock in (*folder.glob("*/lock"), *folder.glob("*/*/lock")):
+        lock.unlink()
+    (folder / "deepspeed_shm_comm").mkdir(exist_ok=True)
+    (folder / "deepspeed_shm_comm" / "lock").touch()
+    monkeypatch.setenv(EXTENSIONS_ENV, str(folder))
+    with pytest.raises(RuntimeError, match="torchrun timed out after 45 s") as err:
+        launch([{"name": "waits", "p": 2, "m": 2, "schedule": "1f1b"}], 2, tmp_path / "launch", timeout=45)
+    # One stack per rank, its main thread's bottom frame the worker's module: on a loaded machine a rank
+    # may still be importing at the timeout, otherwise it waits on the lock (file_baton, in build_shm_op).
+    stacks = str(err.value).count("tests/distributed/worker.py\", line ")
+    assert stacks >= 2 and "in <module>" in str(err.value), str(err.value)[-3000:]
+    # This launch's ranks name its folder on their command line. process_iter's attributes read a
+    # process that ends meanwhile as None instead of raising.
+    workdir = str(tmp_path / "launch")
+    left = [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] not in (None, psutil.STATUS_ZOMBIE) and any(workdir in a for a in p.info["cmdline"] or ())]
+    assert not left, f"ranks outlived the timed-out launch: {left}"
 
 
 def test_only_a_lock_no_build_touched_for_long_is_cleared(tmp_path: Path) -> None:

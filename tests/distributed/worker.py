@@ -14,10 +14,16 @@ import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import traceback
 from typing import Any
+
+# A launch that times out ends its ranks with SIGTERM (launch.run_ranks): each prints every thread's
+# stack first, so the log names where it waited, however long its imports took (the timed dump in
+# main counts from main's start, which a loaded machine can push past the launch's timeout).
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 import torch
 import torch.distributed as dist
