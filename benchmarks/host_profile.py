@@ -80,19 +80,11 @@ def _rows(stats: pstats.Stats, *, reps: int, top: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = host_stage.stage_parser(__doc__.split("\n\n")[0], reps=20)
-    parser.add_argument("--size", choices=sorted(host_stage.SIZES), default="tiny", help="the recipe's model size")
-    parser.add_argument("--shape", type=int, nargs=4, metavar=("HIDDEN", "FFN", "HEADS", "KV_HEADS"),
-                        help="blocks of this shape instead of --size (Llama-3-8B: 4096 14336 32 8)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameters and activations")
+    parser = host_stage.shape_options(host_stage.stage_parser(__doc__.split("\n\n")[0], reps=20))
     parser.add_argument("--top", type=int, default=15, help="functions listed per pass")
     parser.add_argument("--out", type=Path, required=True, help="report path")
     args = parser.parse_args(argv)
-    torch.manual_seed(host_stage.SEED)
-    stage = host_stage.build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size,
-                             shape=tuple(args.shape) if args.shape else None, device=args.device,
-                             dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    stage = host_stage.build_from(args)
     host_stage.measure(stage, reps=1, warmup=args.warmup)  # warm every way (caches, allocator, lazy init)
     command = "OMP_NUM_THREADS=1 python benchmarks/host_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# Where one stage's host time goes, per pass (cProfile)", "", f"Command: `{command.strip()}`",
@@ -107,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
     finally:
         gc.enable()
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return 0
+    return host_stage.write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ from ds_vshape.hf import pipeline_layers  # noqa: E402
 from ds_vshape.runtime.split.split_backward import WeightGradStore, enable_split_backward  # noqa: E402
 from recipes.train_hf import SIZES, seed_layer  # noqa: E402
 
-__all__ = ["WAYS", "Stage", "build", "main", "measure", "render", "run_stage", "stage_parser"]
+__all__ = ["WAYS", "Stage", "build", "build_from", "main", "measure", "render", "run_stage", "shape_options", "stage_parser",
+           "write_report"]
 
 WAYS = ("forward", "fused", "torch split", "ds_vshape")
 PASSES = ("F", "B", "W")
@@ -262,23 +263,41 @@ def stage_parser(description: str, *, reps: int) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = stage_parser(__doc__.split("\n\n")[0], reps=200)
+def shape_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The blocks' size, device and dtype, as this bench and the benches built on its stage take them."""
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the recipe's model size")
     parser.add_argument("--shape", type=int, nargs=4, metavar=("HIDDEN", "FFN", "HEADS", "KV_HEADS"),
                         help="blocks of this shape instead of --size (Llama-3-8B: 4096 14336 32 8)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU tier's shapes")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the stage's parameters and activations")
+    return parser
+
+
+def build_from(args: argparse.Namespace) -> Stage:
+    """The stage ``stage_parser`` and ``shape_options`` describe, seeded."""
+    torch.manual_seed(SEED)
+    return build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size,
+                 shape=tuple(args.shape) if args.shape else None, device=args.device,
+                 dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+
+
+def write_report(text: str, out: Path) -> int:
+    """Print the report and write it to ``out``; the exit status."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = shape_options(stage_parser(__doc__.split("\n\n")[0], reps=200))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_stage.md", help="report path")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(SEED)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    stage = build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size,
-                  shape=tuple(args.shape) if args.shape else None, device=args.device, dtype=dtype)
+    stage = build_from(args)
     medians = measure(stage, reps=args.reps, warmup=args.warmup)
     hidden = args.shape[0] if args.shape else SIZES[args.size][0]
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
@@ -287,11 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{' (FFN %d, %d heads, %d KV heads)' % tuple(args.shape[1:]) if args.shape else ''}, micro-batch "
                f"{args.micro_batch}x{args.seq_len} tokens, median of {args.reps} reps")
     command = "OMP_NUM_THREADS=1 python benchmarks/host_stage.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(medians, setting=setting, command=command.strip())
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return 0
+    return write_report(render(medians, setting=setting, command=command.strip()), args.out)
 
 
 if __name__ == "__main__":

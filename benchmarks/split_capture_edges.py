@@ -181,18 +181,10 @@ def render(medians: dict[str, dict[str, float]], *, setting: str, command: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = host_stage.stage_parser(__doc__.split("\n\n")[0], reps=200)
-    parser.add_argument("--size", choices=sorted(host_stage.SIZES), default="tiny", help="the recipe's model size")
-    parser.add_argument("--shape", type=int, nargs=4, metavar=("HIDDEN", "FFN", "HEADS", "KV_HEADS"),
-                        help="blocks of this shape instead of --size (Llama-3-8B: 4096 14336 32 8)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameters and activations")
+    parser = host_stage.shape_options(host_stage.stage_parser(__doc__.split("\n\n")[0], reps=200))
     parser.add_argument("--out", type=Path, required=True, help="report path")
     args = parser.parse_args(argv)
-    torch.manual_seed(host_stage.SEED)
-    stage = host_stage.build(blocks=args.blocks, seq_len=args.seq_len, micro_batch=args.micro_batch, size=args.size,
-                             shape=tuple(args.shape) if args.shape else None, device=args.device,
-                             dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    stage = host_stage.build_from(args)
     modules, in_b = _edge_modules(stage)
     diff = check(stage, modules, in_b)
     medians = measure(stage, modules, in_b, reps=args.reps, warmup=args.warmup)
@@ -200,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     setting = (f"{where}, torch {torch.__version__}, {args.dtype}; {args.blocks} blocks, micro-batch "
                f"{args.micro_batch}x{args.seq_len}, median of {args.reps} reps")
     command = "python benchmarks/split_capture_edges.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(medians, setting=setting, command=command.strip(), diff=diff)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return 0
+    return host_stage.write_report(render(medians, setting=setting, command=command.strip(), diff=diff), args.out)
 
 
 if __name__ == "__main__":
