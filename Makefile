@@ -49,8 +49,9 @@ test-latest: $(LATEST)/.installed
 lock: $(LATEST)/.installed
 	bash .ci/lock.sh $(LATEST)/bin/python
 
+# The slowest tests close the log: what CI shows of a run is its end.
 test: venv
-	$(TEST_ENV) $(BIN)/pytest -q tests
+	$(TEST_ENV) $(BIN)/pytest -q --durations=15 tests
 
 test-unit: venv
 	$(TEST_ENV) $(BIN)/pytest -q tests/unit
