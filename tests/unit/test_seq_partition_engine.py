@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -65,3 +69,17 @@ def test_equal_chunks_still_need_a_multiple() -> None:
         seq._bounds(31, "input")
     with pytest.raises(ValueError, match="'compute'"):
         SeqChunks(0, partition="compute")
+
+
+def test_the_runtime_imports_transformers_only_where_chunks_ask_for_it() -> None:
+    # A fresh interpreter: ``ds_vshape.initialize`` (every rank of every job imports the runtime behind it) must not
+    # load transformers' modeling code, seconds of each rank's start that a job without Hugging Face layers or
+    # chunks never uses; a chunk's state then loads it.
+    code = ("import sys, ds_vshape; ds_vshape.initialize; before = 'transformers.modeling_utils' in sys.modules; "
+            "from ds_vshape.runtime.program.seq_chunks import SeqChunks; chunks = SeqChunks(0); chunks.start_step(2); "
+            "chunks.forward(0, 0, 0, __import__('torch').zeros(1, 4)); "
+            "print(before, 'transformers.modeling_utils' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout + out.stderr

@@ -25,20 +25,25 @@ exactly. Evaluation runs a forward-only schedule without chunks, so nothing here
 
 from __future__ import annotations
 
+import importlib
 from contextlib import AbstractContextManager, nullcontext
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ...hf import ChunkKVState, HFDecoderBlock, HFEmbedding, HFFinalNorm, HFLMHead, causal_lm_loss, seq_chunk_refusal
-from ...hf import seq_chunk as chunk_context
-from ...hf.loss import causal_lm_chunk_loss, shifted_targets
 from ...schedules.seq_partition import chunk_boundaries
 
 __all__ = ["SeqChunks", "check_module", "partition_dims", "PARTITIONS"]
 
-_HF_LAYERS = (HFEmbedding, HFDecoderBlock, HFFinalNorm, HFLMHead)
+
+def _hf() -> ModuleType:
+    """``ds_vshape.hf``, imported where chunks are asked for: it imports ``transformers``' modeling code
+    (and with it ``torch._dynamo``), seconds of every rank's start that a job without chunks never needs."""
+    return importlib.import_module("ds_vshape.hf")
+
+
 Key = tuple[int, int]  # (stage, micro-batch)
 PARTITIONS = ("equal", "compute")
 
@@ -69,20 +74,22 @@ def partition_dims(model: Any) -> dict[str, int]:
 def check_module(model: Any, k: int, schedule_name: str) -> None:
     """Refuse at initialize what cannot run ``k`` sequence chunks exactly; raises ``ValueError``."""
     where = f"schedule {schedule_name!r} with pipeline.seq_chunks={k}"
+    hf = _hf()
+    hf_layers = (hf.HFEmbedding, hf.HFDecoderBlock, hf.HFFinalNorm, hf.HFLMHead)
     for index, spec in enumerate(model._layer_specs):
         layer_type = getattr(spec, "typename", type(spec))
-        if not (isinstance(layer_type, type) and issubclass(layer_type, _HF_LAYERS)):
+        if not (isinstance(layer_type, type) and issubclass(layer_type, hf_layers)):
             name = getattr(layer_type, "__name__", repr(layer_type))
             raise ValueError(
                 f"{where}: layer {index} ({name}) is not a ds_vshape.hf layer; only models built with "
                 "ds_vshape.hf.pipeline_layers can run in sequence chunks (attention must see the earlier chunks' "
                 "keys/values); set pipeline.seq_chunks=1 or build the layers with pipeline_layers")
-    if model.loss_fn is not causal_lm_loss:
+    if model.loss_fn is not hf.causal_lm_loss:
         raise ValueError(
             f"{where}: the module's loss_fn is {getattr(model.loss_fn, '__name__', model.loss_fn)!r}, not "
             "ds_vshape.hf.causal_lm_loss; each chunk's loss is its share of that loss, so pass the loss_fn "
             "returned by pipeline_layers, or set pipeline.seq_chunks=1")
-    refusal = seq_chunk_refusal(model._layer_specs)
+    refusal = hf.seq_chunk_refusal(model._layer_specs)
     if refusal is not None:  # here, on every rank, not in the first forward of the ranks holding blocks
         raise ValueError(f"{where}: {refusal}; set pipeline.seq_chunks=1 to train this model without sequence chunks")
     if model.activation_checkpoint_interval > 0:
@@ -103,7 +110,7 @@ class SeqChunks:
         self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}  # (seq_len, k) -> boundaries
         self._totals: dict[tuple[int, int], int] = {}  # (chunk 0's length, k) -> sequence length to size K/V for
         self.k = 1
-        self._states: dict[Key, ChunkKVState] = {}
+        self._states: dict[Key, Any] = {}  # ds_vshape.hf.ChunkKVState
         self._ends: dict[Key, int] = {}  # where the stage's last chunk of the micro-batch ended
         self._targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -156,7 +163,7 @@ class SeqChunks:
         if self.k == 1:
             return labels.pop(micro_batch, None)
         if seq_chunk == 0:
-            self._targets[micro_batch] = shifted_targets(labels.pop(micro_batch))
+            self._targets[micro_batch] = _hf().loss.shifted_targets(labels.pop(micro_batch))
         targets, count = self._targets[micro_batch]
         bounds = self._bounds(targets.shape[-1], f"micro-batch {micro_batch}'s labels")
         if seq_chunk == self.k - 1:
@@ -168,7 +175,7 @@ class SeqChunks:
         if self.k == 1:
             return loss_fn(outputs, labels)
         targets, count = labels
-        return causal_lm_chunk_loss(outputs, targets, count)
+        return _hf().loss.causal_lm_chunk_loss(outputs, targets, count)
 
     # ---- forward and backward -------------------------------------------------------------------
     def forward(self, stage: int, micro_batch: int, seq_chunk: int, inputs: Any) -> AbstractContextManager[None]:
@@ -180,11 +187,12 @@ class SeqChunks:
         start = 0 if seq_chunk == 0 else self._ends[key]
         end = start + first.shape[1]
         self._ends[key] = end
-        state = self._states.setdefault(key, ChunkKVState())
+        hf = _hf()
+        state = self._states.setdefault(key, hf.ChunkKVState())
         if seq_chunk == 0 and state.num_chunks:
-            state = self._states[key] = ChunkKVState()
+            state = self._states[key] = hf.ChunkKVState()
         # Chunk 0 tells the whole length, so K/V buffers are made once.
-        return chunk_context(state, start=start, end=end, total=self._total(end - start) if seq_chunk == 0 else None)
+        return hf.seq_chunk(state, start=start, end=end, total=self._total(end - start) if seq_chunk == 0 else None)
 
     def _total(self, first: int) -> int:
         """The sequence length whose chunk 0 is ``first`` tokens long (the longest such, under "compute")."""
