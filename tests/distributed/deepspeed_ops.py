@@ -48,8 +48,7 @@ def extensions_dir() -> Path:
 def clear_stale_locks(folder: Path, *, older_than_s: float = STALE_LOCK_S) -> list[Path]:
     """Remove build locks in ``folder`` (torch's ``<op>/lock``) untouched for ``older_than_s``; returns them."""
     now = time.time()
-    stale = [lock for lock in (*folder.glob("*/lock"), *folder.glob("*/*/lock"))
-             if now - lock.stat().st_mtime > older_than_s]
+    stale = [lock for lock in folder.glob("*/lock") if now - lock.stat().st_mtime > older_than_s]
     for lock in stale:
         warnings.warn(f"removing {lock}: a build lock untouched for over {older_than_s:.0f} s, left by a "
                       "killed process (every rank loading that op would wait on it forever)", stacklevel=2)

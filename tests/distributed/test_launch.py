@@ -70,7 +70,7 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
 
 
 def test_only_a_lock_no_build_touched_for_long_is_cleared(tmp_path: Path) -> None:
-    old, fresh = tmp_path / "old_op" / "lock", tmp_path / "torch_ver" / "fresh_op" / "lock"
+    old, fresh = tmp_path / "old_op" / "lock", tmp_path / "fresh_op" / "lock"
     for lock in (old, fresh):
         lock.parent.mkdir(parents=True)
         lock.touch()
