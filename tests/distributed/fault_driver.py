@@ -218,6 +218,20 @@ def _poll(running: list[dict[str, Any]], hard_limit_s: float, after_kill_s: floa
     return done
 
 
+def _import_engine_init_modules() -> None:
+    """What DeepSpeed's engine imports inside its constructor, imported here once: ``torch._dynamo`` (torch's
+    optimizers load it on first construction) and ZeRO's check of supported optimizers, whose Muon module
+    calls ``torch.compile`` as it loads. Otherwise every forked rank of every concurrent case would import
+    them at once, seconds each on two cores, and a case's ranks could miss their kill point's time limit."""
+    import importlib
+
+    for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another DeepSpeed or torch version: the ranks import what theirs needs
+            pass
+
+
 def main() -> None:
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
@@ -229,7 +243,12 @@ def main() -> None:
         nccl_emulation.install(mode=nccl_emulation.env_mode(os.environ["DS_VSHAPE_NCCL_EMULATION"]))
     import deepspeed  # noqa: F401  (imported once, here, for every forked rank)
 
+    import ds_vshape
+
     from tests.distributed import fault_checks  # noqa: F401
+
+    ds_vshape.initialize  # noqa: B018  (the runtime's imports)
+    _import_engine_init_modules()
     from tests.distributed.cpu_fp16 import allow_cpu_fp16
 
     allow_cpu_fp16()
