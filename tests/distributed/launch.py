@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,10 @@ from .nccl_emulation.settings import FIRST_CONTACT_ENV, ONE_QUEUE_ENV, SYNCHRONI
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
+SPAWN = Path(__file__).with_name("spawn.py")
+# Where each launch appends a line of where its time went (unset: nowhere), e.g.
+#   DS_VSHAPE_TEST_TIMES=/tmp/launch_times.jsonl pytest -m distributed tests
+TIMES_ENV = "DS_VSHAPE_TEST_TIMES"
 
 
 def free_port() -> int:
@@ -76,23 +81,42 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     env["DS_VSHAPE_TEST_BACKEND"] = backend
     if backend == "nccl":
         del env["DS_ACCELERATOR"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           str(WORKER), str(cases_file), str(workdir)]
+    # spawn.py starts the ranks with torchrun's environment, without its agent's seconds per launch; the
+    # GPU tier keeps torchrun, the launcher its jobs use.
+    cmd = ([sys.executable, str(SPAWN), f"--nproc={nproc}", f"--port={free_port()}"] if backend == "gloo" else
+           [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"])
+    cmd += [str(WORKER), str(cases_file), str(workdir)]
     # A rank still running shortly before the timeout prints every thread's stack (worker.py),
     # so that a hang names where each rank waits.
     env.setdefault("DS_VSHAPE_TEST_DUMP_AFTER_S", str(max(timeout - 20, 10)))
+    began = time.monotonic()
     try:
         proc = run_ranks(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         log = _text(err.stdout) + _text(err.stderr)
         (workdir / "log.txt").write_text(log)
         done = [r for r in range(nproc) if (workdir / f"rank{r}.json").exists()]
-        raise RuntimeError(f"torchrun timed out after {timeout} s; ranks that wrote their results: {done}; "
+        raise RuntimeError(f"the launch of {nproc} ranks timed out after {timeout} s; ranks that wrote their results: {done}; "
                            f"full log in {workdir / 'log.txt'}; its tail:\n{log[-12000:]}") from None
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise RuntimeError(f"the launch of {nproc} ranks exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    _log_times(workdir, nproc, mode, time.monotonic() - began)
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float) -> None:
+    """Append the launch's wall time and rank 0's seconds per case to ``$DS_VSHAPE_TEST_TIMES``, if set:
+    which launches and cases the suite's time goes to."""
+    path = os.environ.get(TIMES_ENV)
+    seconds = workdir / "rank0.seconds.json"
+    if not path or not seconds.exists():
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    line = {"test": test, "nproc": nproc, "mode": mode, "wall_s": round(wall_s, 2),
+            "cases": {k: round(v, 2) for k, v in json.loads(seconds.read_text()).items()}}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
 
 
 GRACE_S = 10.0  # how long a timed-out launch's processes get to end on SIGTERM before SIGKILL

@@ -2,7 +2,7 @@
 
 The resume chain of issue 10: AdamW with weight decay and DeepSpeed's WarmupLR, v-half at p=4
 for 3 steps, save; 1f1b at p=2 loads it, 3 steps, save; zb-h1 at p=4 loads that, 3 steps.
-Each launch is a separate torchrun (4, 2, 4 ranks) on one shared directory; each link
+Each launch is a separate job (4, 2, 4 ranks) on one shared directory; each link
 compares its losses, parameters and Adam moments with a plain model trained from the start
 (fp32, 1e-5). The 2-rank launch also runs the stock-DeepSpeed and refusal cases, and the
 damaged-checkpoint case: a save cut off, a missing rank's file, cut-off, changed and foreign
@@ -165,7 +165,7 @@ def test_a_rank_killed_inside_a_save_leaves_latest_on_the_last_finished_tag(tmp_
     A new launch then resumes from ``latest``: exactly the state the job had at t1, and the same step 2."""
     root = tmp_path / "killed"
     case = {"name": "killed", "ckpt_case": "killed", "p": 2, "m": 4, "dir": str(root), "killed_rank": 1}
-    with pytest.raises(RuntimeError, match="torchrun exited"):
+    with pytest.raises(RuntimeError, match="ranks exited"):
         launch([case], 2, tmp_path / "launch", timeout=120)
     took = time.time() - float((root / "killed_at").read_text())
     pids = [int((root / "pids" / str(r)).read_text()) for r in range(2)]

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from .deepspeed_ops import EXTENSIONS_ENV, clear_stale_locks, extensions_dir
-from .launch import launch, process_alive, run_ranks
+from .launch import SPAWN, launch, process_alive, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -55,8 +55,8 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
     (folder / "deepspeed_shm_comm").mkdir(exist_ok=True)
     (folder / "deepspeed_shm_comm" / "lock").touch()
     monkeypatch.setenv(EXTENSIONS_ENV, str(folder))
-    with pytest.raises(RuntimeError, match="torchrun timed out after 45 s") as err:
-        launch([{"name": "waits", "p": 2, "m": 2, "schedule": "1f1b"}], 2, tmp_path / "launch", timeout=45)
+    with pytest.raises(RuntimeError, match="ranks timed out after 20 s") as err:
+        launch([{"name": "waits", "p": 2, "m": 2, "schedule": "1f1b"}], 2, tmp_path / "launch", timeout=20)
     # One stack per rank, its main thread's bottom frame the worker's module: on a loaded machine a rank
     # may still be importing at the timeout, otherwise it waits on the lock (file_baton, in build_shm_op).
     stacks = re.findall(r'tests/distributed/worker\.py", line \d+ in <module>', str(err.value))
@@ -67,6 +67,34 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
     left = [p.pid for p in psutil.process_iter(["cmdline", "status"])
             if p.info["status"] not in (None, psutil.STATUS_ZOMBIE) and any(workdir in a for a in p.info["cmdline"] or ())]
     assert not left, f"ranks outlived the timed-out launch: {left}"
+
+
+# A rank of spawn.py: prints what it was given; rank 0 then says so in a file and would wait 600 s,
+# rank 1 waits for that file and fails.
+_RANK = """import os, sys, time
+names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
+print(os.getpid(), *(os.environ[n] for n in names), flush=True)
+ready = sys.argv[1]
+if os.environ['RANK'] == '0':
+    open(ready, 'w').close()
+    time.sleep(600)
+while not os.path.exists(ready):
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_spawn_gives_each_rank_torchruns_variables_and_ends_the_others_when_one_fails(tmp_path: Path) -> None:
+    """The test launches' launcher: one rank failing ends the job (as under torchrun), naming it; nothing is left."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    cmd = [sys.executable, str(SPAWN), "--nproc=2", "--port=29123", str(script), str(tmp_path / "ready")]
+    proc = run_ranks(cmd, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 1 exited with status 3" in proc.stderr
+    rows = sorted((line.split() for line in proc.stdout.splitlines()), key=lambda row: row[1])
+    assert [row[1:] for row in rows] == [["0", "0", "2", "2", "127.0.0.1", "29123"], ["1", "1", "2", "2", "127.0.0.1", "29123"]]
+    assert not any(process_alive(int(row[0])) and not _zombie(int(row[0])) for row in rows), rows
 
 
 def test_only_a_lock_no_build_touched_for_long_is_cleared(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """One launch, many checks: run each case on real gloo ranks and write what was measured.
 
-Launched by tests/distributed/launch.py under torchrun. Every case builds the same small
-model as a PipelineModule and as a plain nn.Sequential reference, trains both for a few
-optimizer steps with gradient clipping, and records the pipeline's losses and every local
+Launched by tests/distributed/launch.py (through spawn.py on gloo, torchrun on GPUs). Every
+case builds the same small model as a PipelineModule and as a plain nn.Sequential reference,
+trains both for a few optimizer steps with gradient clipping, and records the pipeline's losses and every local
 parameter's largest difference from the reference. Each rank writes one JSON file; the
 pytest side asserts on them, so a failure names the case and the rank.
 """
@@ -17,8 +17,12 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from typing import Any
+
+_T0 = time.monotonic()  # the worker's start: its imports and init count towards a launch's start-up
 
 # A launch that times out ends its ranks with SIGTERM (launch.run_ranks): each prints every thread's
 # stack first, so the log names where it waited, however long its imports took (the timed dump in
@@ -540,8 +544,10 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend=BACKEND)
     rank = int(os.environ.get("RANK", "0"))
     results = {}
+    seconds = {"_start": time.monotonic() - _T0}  # the worker's imports and init, before its first case
     for case in cases:
         contacts, synced = _first_contacts_made(), _synchronizes()
+        began = time.monotonic()
         try:
             results[case["name"]] = run_case(case)
             if isinstance(results[case["name"]], dict):  # what the case connected under the first-contact rule
@@ -552,10 +558,14 @@ def main() -> None:
         # The case's engines form reference cycles: finalize them here, between cases, not at whatever
         # point of a later case the collector would (DeepSpeed's finalizer synchronizes the device).
         gc.collect()
+        seconds[case["name"]] = time.monotonic() - began
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)
+    with open(os.path.join(out_dir, f"rank{rank}.seconds.json"), "w") as fh:  # launch.py's time log reads it
+        json.dump(seconds, fh)
     _exit_if_wedged()
     _tear_down()
+    _leave()
 
 
 def _first_contacts_made() -> int:
@@ -586,6 +596,26 @@ def _tear_down() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+THREADS_END_S = 30.0  # how long the threads that would hold up the interpreter's exit get to end
+
+
+def _leave() -> None:
+    """End the rank without the interpreter's finalization, once the results are written and the
+    process groups destroyed: finalizing torch and DeepSpeed takes seconds of C-level teardown on
+    every rank, which each launch paid. What that finalization would show first, a thread that keeps
+    the process from exiting (a user's job would hang at its end), fails the rank here instead."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in others:  # the interpreter would wait for each of them before exiting
+        thread.join(timeout=THREADS_END_S)
+    stuck = [t.name for t in others if t.is_alive()]
+    if stuck:
+        print(f"worker: non-daemon threads still running {THREADS_END_S:.0f} s after the cases ended, which would keep "
+              f"the process from exiting: {stuck}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if stuck else 0)
 
 
 def _exit_if_wedged() -> None:
