@@ -11,8 +11,9 @@ until the peer's first call with it; the engine's warm-up at initialize makes th
 global order), and the lazy ones under every rule at once (first contact, synchronize, one queue
 per rank with CUDA_DEVICE_MAX_CONNECTIONS=1: interleaved and breadth-first then run the global
 transfer order): every schedule at p=3, PP=4 and PP2xDP2 against the non-pipelined reference
-under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init), with
-in-flight transfer bytes at m=8 and m=32; every schedule at p=2 under lazy rules and every rule (the eager
+under both init modes (eager: DeepSpeed on GPUs; lazy: no device bound at init; at p=3 and PP=4
+each schedule's two micro-batch counts are shared between the modes, one each), with in-flight
+transfer bytes at m=8 and m=32 under the lazy rules; every schedule at p=2 under lazy rules and every rule (the eager
 p=2 run is test_engine's, whose launches run under the eager emulation by default) and a step
 that fails (last: it wedges its communicator, as it would under NCCL), after which the engine
 must refuse.
@@ -69,18 +70,44 @@ def _rules(mode: str) -> dict[str, bool]:
     return {"first_contact": True, "synchronize": mode == "lazy", "one_queue": mode == "lazy"}
 
 
-@pytest.fixture(scope="module", params=["eager", "lazy"])
-def nccl_p4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    tmp = tmp_path_factory.mktemp(f"nccl_p4_{request.param}")
-    results = by_case(launch(_parity_cases(4) + PP2XDP2_CASES + INFLIGHT_CASES, 4, tmp, nccl=request.param,
-                             **_rules(request.param)))
-    return {**results, "_mode": request.param}
+def _mode_cases(p: int, mode: str) -> list[dict[str, Any]]:
+    """Each schedule's parity cases at ``p`` (its smallest m and a larger one) shared between the modes:
+    every schedule runs in both, every (schedule, m) in one, and each mode runs small and large m."""
+    cases: dict[str, list[dict[str, Any]]] = {}
+    for case in _parity_cases(p):
+        cases.setdefault(case["schedule"], []).append(case)
+    return [pair[(i + (mode == "lazy")) % len(pair)] for i, pair in enumerate(cases.values())]
+
+
+def _nccl_p4(mode: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # The in-flight bytes run once, under the lazy launch's every rule.
+    extra = INFLIGHT_CASES if mode == "lazy" else []
+    tmp = tmp_path_factory.mktemp(f"nccl_p4_{mode}")
+    results = by_case(launch(_mode_cases(4, mode) + PP2XDP2_CASES + extra, 4, tmp, nccl=mode, **_rules(mode)))
+    return {**results, "_mode": mode, "_cases": _mode_cases(4, mode)}
+
+
+@pytest.fixture(scope="module")
+def nccl_p4_lazy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _nccl_p4("lazy", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def nccl_p4_eager(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _nccl_p4("eager", tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["eager", "lazy"])
-def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def nccl_p4(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return request.getfixturevalue(f"nccl_p4_{request.param}")
+
+
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def nccl_p3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp(f"nccl_p3_{request.param}")
-    return {**by_case(launch(_parity_cases(3), 3, tmp, nccl=request.param, **_rules(request.param))), "_mode": request.param}
+    cases = _mode_cases(3, request.param)
+    return {**by_case(launch(cases, 3, tmp, nccl=request.param, **_rules(request.param))), "_mode": request.param,
+            "_cases": cases}
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +118,9 @@ def nccl_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return by_case(launch(_parity_cases(2) + [checkpoint, FAILED_STEP], 2, tmp, nccl="lazy", **_rules("lazy")))
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(3)])
-def test_every_schedule_under_nccl_rules_p3(nccl_p3: dict, case: str) -> None:
-    _assert_parity(case, nccl_p3[case])
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
+def test_every_schedule_under_nccl_rules_p3(nccl_p3: dict, name: str) -> None:
+    _assert_schedule_parity(nccl_p3, name)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(2)])
@@ -101,15 +128,29 @@ def test_every_schedule_under_nccl_rules_p2(nccl_p2: dict, case: str) -> None:
     _assert_parity(case, nccl_p2[case])
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _parity_cases(4)])
-def test_every_schedule_under_nccl_rules_p4(nccl_p4: dict, case: str) -> None:
-    _assert_parity(case, nccl_p4[case])
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
+def test_every_schedule_under_nccl_rules_p4(nccl_p4: dict, name: str) -> None:
+    _assert_schedule_parity(nccl_p4, name)
+
+
+def test_the_modes_share_every_schedules_parity_cases() -> None:
+    """Between them the two modes' launches run every parity case at p=3 and p=4, each once."""
+    for p in (3, 4):
+        both = [c["name"] for mode in ("eager", "lazy") for c in _mode_cases(p, mode)]
+        assert sorted(both) == sorted(c["name"] for c in _parity_cases(p)), p
+        assert {c["schedule"] for c in _mode_cases(p, "eager")} == set(RUNTIME_SCHEDULES), p
+
+
+def _assert_schedule_parity(results: dict, name: str) -> None:
+    """The launch's case of schedule ``name`` matched the non-pipelined reference."""
+    [case] = [c for c in results["_cases"] if c["schedule"] == name]
+    _assert_parity(f"{case['name']} ({results['_mode']})", results[case["name"]])
 
 
 def _assert_connected_at_initialize(results: dict, p: int, name: str) -> None:
     """Each rank made a first contact under the rule with each peer its programs exchange with
     (more where the case also carried weights over the world group), and then trained."""
-    for case in (c for c in _parity_cases(p) if c["schedule"] == name):
+    for case in (c for c in results["_cases"] if c["schedule"] == name):
         pairs = contact_pairs(programs(generate(name, p, case["m"])))
         _assert_parity(case["name"], results[case["name"]])
         for rank, res in enumerate(results[case["name"]]):
@@ -126,21 +167,21 @@ def test_looped_schedules_connect_every_pair_at_initialize_p4(nccl_p4: dict, nam
     _assert_connected_at_initialize(nccl_p4, 4, name)
 
 
-def _assert_order_adapted(results: dict, p: int) -> None:
+def _assert_order_adapted(results: dict) -> None:
     """Under one queue per rank (lazy launches) looped schedules ran the global transfer order, the
     rest their default one; under pair communicators every schedule its default one."""
-    for case in _parity_cases(p):
+    for case in results["_cases"]:
         for rank, res in enumerate(results[case["name"]]):
             expect = results["_mode"] == "lazy" and case["schedule"] in LOOPED
             assert res["global_order"] is expect, (case["name"], rank, res["global_order"], results["_mode"])
 
 
 def test_looped_schedules_switch_to_the_global_order_only_under_one_queue_p3(nccl_p3: dict) -> None:
-    _assert_order_adapted(nccl_p3, 3)
+    _assert_order_adapted(nccl_p3)
 
 
 def test_looped_schedules_switch_to_the_global_order_only_under_one_queue_p4(nccl_p4: dict) -> None:
-    _assert_order_adapted(nccl_p4, 4)
+    _assert_order_adapted(nccl_p4)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in PP2XDP2_CASES])
@@ -149,8 +190,8 @@ def test_every_schedule_under_nccl_rules_pp2xdp2(nccl_p4: dict, case: str) -> No
 
 
 @pytest.mark.parametrize("name", ["1f1b", "v-zb", "zb-h2"])
-def test_bytes_in_flight_do_not_grow_with_micro_batches(nccl_p4: dict, name: str) -> None:
-    small, large = nccl_p4[f"inflight-{name}-m8"], nccl_p4[f"inflight-{name}-m32"]
+def test_bytes_in_flight_do_not_grow_with_micro_batches(nccl_p4_lazy: dict, name: str) -> None:
+    small, large = nccl_p4_lazy[f"inflight-{name}-m8"], nccl_p4_lazy[f"inflight-{name}-m32"]
     _assert_parity(f"inflight-{name}-m8", small)
     _assert_parity(f"inflight-{name}-m32", large)
     # Held until the end of the step, they would grow 4x from m=8 to m=32. Under the emulation
