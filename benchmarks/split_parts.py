@@ -138,6 +138,8 @@ def _plain_passes(stage: Stage, plain: list[torch.nn.Module]) -> tuple[float, fl
 def main(argv: list[str] | None = None) -> int:
     ap = stage_parser(__doc__.split("\n\n")[0], reps=300)
     ap.add_argument("--variant", choices=VARIANTS, help="run one variant here (the parent runs each in a process)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
+                    help="the rows to measure, each in a process of its own (default: every variant)")
     args = ap.parse_args(argv)
     if args.variant is not None:
         mine, base = _one(args.variant, args)
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
           f" 1 thread, CPU {cpu_model() or 'unknown'}; each row a process of its own, median of {args.reps} against the plain stage"
           " in the same process (its column).\n")
     print("| variant | ms | plain's ms | x plain |\n|---|--:|--:|--:|")
-    for variant in VARIANTS:
+    for variant in args.variants:
         cmd = [sys.executable, __file__, "--variant", variant, *(argv if argv is not None else sys.argv[1:])]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
         mine, base = float(out[-2]), float(out[-1])

@@ -299,13 +299,34 @@ def test_the_gradient_edge_prototype_equals_a_fused_backward(tmp_path: Any) -> N
         f"| {way}" for way in edges.WAYS]
 
 
-def test_the_split_parts_benchmark_prints_every_variant(capsys: Any) -> None:
-    """``benchmarks/split_parts.py`` (each variant in a process of its own), a few reps: a row per variant."""
+def test_the_split_parts_benchmark_prints_a_row_per_variant_it_is_given(capsys: Any) -> None:
+    """``benchmarks/split_parts.py``'s parent: a process per variant asked for (one here: each takes
+    seconds of imports; the next test runs every variant's measurement), a row each."""
     from benchmarks import split_parts
 
-    assert split_parts.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1"]) == 0
+    asked = ["F, GEMM only"]
+    assert split_parts.main(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1", "--variants", *asked]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line.endswith("x |")]
-    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(split_parts.VARIANTS)
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == asked
+
+
+# benchmarks/split_parts.py's VARIANTS (not imported at collection: it loads transformers).
+SPLIT_PARTS_VARIANTS = ("control", "F", "F, no capture", "F, no hooks", "F, GEMM only", "B", "B, empty capture")
+
+
+@pytest.mark.parametrize("variant", SPLIT_PARTS_VARIANTS)
+def test_every_split_parts_variant_times_both_sides(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variant's measurement, here in the test's process (the benchmark gives each a process of its
+    own): the classes it patches to take a part out are restored after the test."""
+    from benchmarks import split_parts
+    from ds_vshape.runtime.split import graph_linear
+
+    assert split_parts.VARIANTS == SPLIT_PARTS_VARIANTS
+    monkeypatch.setattr(graph_linear.SplitLinear, "forward", graph_linear.SplitLinear.forward)
+    monkeypatch.setattr(graph_linear.GemmCapture, "__call__", graph_linear.GemmCapture.__call__)
+    args = split_parts.stage_parser("", reps=2).parse_args(["--blocks", "1", "--seq-len", "8", "--reps", "2", "--warmup", "1"])
+    mine, base = split_parts._one(variant, args)
+    assert mine > 0 and base > 0
 
 
 def _warm(block: nn.Module, store: WeightGradStore) -> None:
