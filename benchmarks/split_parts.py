@@ -89,22 +89,24 @@ def _one(variant: str, args: argparse.Namespace) -> tuple[float, float]:
                     sub.weight.requires_grad_(False)
     timed = 0 if variant.startswith("F") or variant == "control" else 1
     mine, base = [], []
-    gc.disable()
-    for rep in range(args.warmup + args.reps):
-        # Which side runs first alternates: a pass right after the other side's W or backward finds
-        # the caches in another state than one after its own stage's zero_grad.
-        if rep % 2:
-            theirs, ours = _plain_passes(stage, plain), _split_passes(stage, split)
-        else:
-            ours, theirs = _split_passes(stage, split), _plain_passes(stage, plain)
-        for mod in (*split, *plain):
-            mod.zero_grad(set_to_none=True)
-        if rep >= args.warmup:
-            mine.append(ours[timed])
-            base.append(theirs[timed])
-        if rep % 50 == 0:
-            gc.collect()
-    gc.enable()
+    gc.disable()  # the unit test runs this in its own process: never leave the collector off
+    try:
+        for rep in range(args.warmup + args.reps):
+            # Which side runs first alternates: a pass right after the other side's W or backward finds
+            # the caches in another state than one after its own stage's zero_grad.
+            if rep % 2:
+                theirs, ours = _plain_passes(stage, plain), _split_passes(stage, split)
+            else:
+                ours, theirs = _split_passes(stage, split), _plain_passes(stage, plain)
+            for mod in (*split, *plain):
+                mod.zero_grad(set_to_none=True)
+            if rep >= args.warmup:
+                mine.append(ours[timed])
+                base.append(theirs[timed])
+            if rep % 50 == 0:
+                gc.collect()
+    finally:
+        gc.enable()
     return statistics.median(mine), statistics.median(base)
 
 

@@ -89,7 +89,17 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     # A rank still running shortly before the timeout prints every thread's stack (worker.py),
     # so that a hang names where each rank waits.
     env.setdefault("DS_VSHAPE_TEST_DUMP_AFTER_S", str(max(timeout - 20, 10)))
-    began = time.monotonic()
+    began, status = time.monotonic(), "failed"  # _run returns 0 or raises (timed out, non-zero exit)
+    try:
+        status = _run(cmd, env=env, timeout=timeout, workdir=workdir, nproc=nproc)
+    finally:
+        _log_times(workdir, nproc, mode, time.monotonic() - began, status)
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, nproc: int) -> int:
+    """Run the launch's command; its log goes to ``workdir/log.txt``. Raises, with the log's tail, where
+    it timed out or exited non-zero."""
     try:
         proc = run_ranks(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
@@ -101,20 +111,21 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"the launch of {nproc} ranks exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    _log_times(workdir, nproc, mode, time.monotonic() - began)
-    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return proc.returncode
 
 
-def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float) -> None:
-    """Append the launch's wall time and rank 0's seconds per case to ``$DS_VSHAPE_TEST_TIMES``, if set:
-    which launches and cases the suite's time goes to."""
+def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float, status: int | str) -> None:
+    """Append the launch's wall time, its status (0, or "failed": timed out or exited non-zero) and
+    rank 0's seconds before its first case and per case (where rank 0 wrote them) to
+    ``$DS_VSHAPE_TEST_TIMES``, if set: which launches and cases the suite's time goes to."""
     path = os.environ.get(TIMES_ENV)
-    seconds = workdir / "rank0.seconds.json"
-    if not path or not seconds.exists():
+    if not path:
         return
+    seconds = workdir / "rank0.seconds.json"
+    cases = json.loads(seconds.read_text()) if seconds.exists() else {}
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
-    line = {"test": test, "nproc": nproc, "mode": mode, "wall_s": round(wall_s, 2),
-            "cases": {k: round(v, 2) for k, v in json.loads(seconds.read_text()).items()}}
+    line = {"test": test, "nproc": nproc, "mode": mode, "status": status, "wall_s": round(wall_s, 2),
+            "cases": {k: round(v, 2) for k, v in cases.items()}}
     with open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
 
@@ -123,12 +134,12 @@ GRACE_S = 10.0  # how long a timed-out launch's processes get to end on SIGTERM 
 
 
 def run_ranks(cmd: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run a command that starts ranks (torchrun, the fault driver); past ``timeout`` end all it started.
+    """Run a command that starts ranks (spawn.py, torchrun, the fault driver); past ``timeout`` end all it started.
 
-    torchrun starts each rank in a session of its own, so killing torchrun alone would leave its
-    ranks running: they would keep the cores busy, so that every later launch runs slower, up
-    to its own timeout, and one of them may hold the lock of a DeepSpeed op's build, on which
-    every later rank then waits forever. On timeout the command and every process below it get
+    torchrun starts each rank in a session of its own (spawn.py's ranks share its session), so
+    killing torchrun alone would leave its ranks running: they would keep the cores busy, so that
+    every later launch runs slower, up to its own timeout, and one of them may hold the lock of a
+    DeepSpeed op's build, on which every later rank then waits forever. On timeout the command and every process below it get
     SIGTERM, then SIGKILL after ``GRACE_S``; raises ``subprocess.TimeoutExpired`` with the output so far.
     """
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,16 +1,20 @@
-"""Start N ranks of a script on this machine as torchrun does, without torchrun's agent.
+"""Start N ranks of a script on this machine with torchrun's environment, without torchrun's agent.
 
     python tests/distributed/spawn.py --nproc 4 --port 29500 worker.py ARGS...
 
-Each rank gets the environment torchrun's static rendezvous gives a single-node job (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``,
-``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``deepspeed.init_distributed`` takes the
-``env://`` path and rank 0 hosts the store, as it does under torchrun. What it leaves out is the
-agent: torchrun imports torch and sets up its elastic agent and store before the first rank
-starts, and takes its time to tear them down after the last one ends, seconds that every test
-launch paid on top of cases that often take no longer. The ranks share this process's stdout
-and stderr. As under torchrun, the first rank to fail ends the others (SIGTERM, then SIGKILL
-after a grace period) and the exit status is non-zero, with a line naming that rank.
+Each rank gets the variables torchrun gives a single-node job's worker (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``,
+``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT`` and the ``TORCHELASTIC_*``
+run id and restart counts), so ``deepspeed.init_distributed`` takes the ``env://`` path. One
+difference: under torchrun its agent hosts the rendezvous store and every rank is a client
+(``TORCHELASTIC_USE_AGENT_STORE``); here rank 0 hosts it, as in a job started without torchrun.
+What this leaves out is the agent itself: torchrun imports torch and sets up its agent and store
+before the first rank starts, and tears them down after the last one ends, seconds that every
+test launch paid on top of cases that often take no longer. The ranks share this process's
+stdout and stderr. As under torchrun, a rank that fails ends the others (SIGTERM, then SIGKILL
+after a grace period) and the exit status is non-zero, with a line naming the failed rank (the
+lowest one seen failed at a poll: a peer may fail in the same instant because of it). Ended by a
+signal itself (SIGTERM, SIGINT, SIGHUP), it ends its ranks the same way.
 
 It imports nothing beyond the standard library, so it starts in milliseconds.
 """
@@ -35,7 +39,9 @@ def rank_env(base: dict[str, str], *, rank: int, nproc: int, port: int) -> dict[
     env = dict(base)
     for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("GROUP_RANK", 0), ("ROLE_RANK", rank),
                         ("WORLD_SIZE", nproc), ("LOCAL_WORLD_SIZE", nproc), ("ROLE_WORLD_SIZE", nproc),
-                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)):
+                        ("GROUP_WORLD_SIZE", 1), ("ROLE_NAME", "default"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", port), ("TORCHELASTIC_RUN_ID", "none"), ("TORCHELASTIC_RESTART_COUNT", 0),
+                        ("TORCHELASTIC_MAX_RESTARTS", 0)):
         env[name] = str(value)
     return env
 
@@ -55,33 +61,47 @@ def _end(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
-    """0 once every rank ended well; else the first failure's status, after ending the rest."""
+    """0 once every rank ended well; else the status of the first failure seen (the caller ends the rest)."""
     while True:
         codes = [proc.poll() for proc in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             rank, code = failed[0]
             print(f"spawn.py: rank {rank} exited with status {code}; ending the other ranks", file=sys.stderr, flush=True)
-            _end(procs)
             return code if code > 0 else 128 - code  # killed by a signal: the shell's convention
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
 
 
+def _raise_exit(signum: int, _frame: object) -> None:
+    # Only raise here: ending the ranks waits on them, which must not happen inside a handler that may
+    # have interrupted a wait on the same process (Popen's wait lock). main's ``finally`` ends them.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Start the ranks, wait for them, end those left; the exit status as described above."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start (at least 1)")
     parser.add_argument("--port", type=int, required=True, help="MASTER_PORT: rank 0 hosts the store there")
     parser.add_argument("script", help="the Python script each rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
-    procs = [subprocess.Popen([sys.executable, args.script, *args.args],
-                              env=rank_env(dict(os.environ), rank=rank, nproc=args.nproc, port=args.port))
-             for rank in range(args.nproc)]
-    # Ended from outside (launch.py's timeout ends the whole tree too): take the ranks along.
-    signal.signal(signal.SIGTERM, lambda *_: (_end(procs), sys.exit(128 + signal.SIGTERM)))
-    return _wait(procs)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before any rank exists
+        signal.signal(signum, _raise_exit)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(args.nproc):
+            env = rank_env(dict(os.environ), rank=rank, nproc=args.nproc, port=args.port)
+            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
+        return _wait(procs)
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a second signal must not cut the ending short
+            signal.signal(signum, signal.SIG_IGN)
+        _end(procs)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def results_p2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
 @pytest.fixture(scope="module")
 def results_p4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("p4")
-    # Every schedule's p=4 parity runs in test_nccl_mode.py, under both NCCL init modes.
+    # Every schedule's p=4 parity runs in test_nccl_mode.py, under both NCCL init modes (each m in one of them).
     return by_case(launch(_extra_cases_p4(), 4, tmp))
 
 

@@ -71,9 +71,9 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
 
 # A rank of spawn.py: prints what it was given; rank 0 then says so in a file and would wait 600 s,
 # rank 1 waits for that file and fails.
-_RANK = """import os, sys, time
+_RANK = r"""import os, sys, time
 names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
-print(os.getpid(), *(os.environ[n] for n in names), flush=True)
+os.write(1, (' '.join([str(os.getpid()), *(os.environ[n] for n in names)]) + '\n').encode())  # one write: the ranks share the pipe
 ready = sys.argv[1]
 if os.environ['RANK'] == '0':
     open(ready, 'w').close()

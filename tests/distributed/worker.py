@@ -582,7 +582,7 @@ def _synchronizes() -> tuple[int, int]:
 
 
 def _tear_down() -> None:
-    """Destroy the process groups before the interpreter exits.
+    """Destroy the process groups before the rank ends (``_leave``).
 
     Gloo's worker threads may still hold work at interpreter teardown, which aborts the rank now
     and then ("terminate called without an active exception"). A case that timed out on purpose
@@ -607,8 +607,9 @@ def _leave() -> None:
     every rank, which each launch paid. What that finalization would show first, a thread that keeps
     the process from exiting (a user's job would hang at its end), fails the rank here instead."""
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    deadline = time.monotonic() + THREADS_END_S
     for thread in others:  # the interpreter would wait for each of them before exiting
-        thread.join(timeout=THREADS_END_S)
+        thread.join(timeout=max(deadline - time.monotonic(), 0.0))
     stuck = [t.name for t in others if t.is_alive()]
     if stuck:
         print(f"worker: non-daemon threads still running {THREADS_END_S:.0f} s after the cases ended, which would keep "
@@ -619,7 +620,8 @@ def _leave() -> None:
 
 
 def _exit_if_wedged() -> None:
-    """Skip interpreter teardown when emulated p2p pairs are wedged (it would abort the rank)."""
+    """End the rank at once, before the barrier and the groups' destruction, when emulated p2p pairs are
+    wedged (tearing them down would abort or hang the rank)."""
     emulation = sys.modules.get("tests.distributed.nccl_emulation")
     if emulation is not None and emulation.unfinished_ops():
         sys.stdout.flush()
