@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import json
 import os
 import signal
@@ -223,8 +224,6 @@ def _import_engine_init_modules() -> None:
     optimizers load it on first construction) and ZeRO's check of supported optimizers, whose Muon module
     calls ``torch.compile`` as it loads. Otherwise every forked rank of every concurrent case would import
     them at once, seconds each on two cores, and a case's ranks could miss their kill point's time limit."""
-    import importlib
-
     for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"):
         try:
             importlib.import_module(name)
@@ -243,11 +242,9 @@ def main() -> None:
         nccl_emulation.install(mode=nccl_emulation.env_mode(os.environ["DS_VSHAPE_NCCL_EMULATION"]))
     import deepspeed  # noqa: F401  (imported once, here, for every forked rank)
 
-    import ds_vshape
-
+    import ds_vshape.api  # noqa: F401  (initialize's module: the runtime's imports)
     from tests.distributed import fault_checks  # noqa: F401
 
-    ds_vshape.initialize  # noqa: B018  (the runtime's imports)
     _import_engine_init_modules()
     from tests.distributed.cpu_fp16 import allow_cpu_fp16
 

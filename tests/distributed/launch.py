@@ -89,15 +89,16 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     # A rank still running shortly before the timeout prints every thread's stack (worker.py),
     # so that a hang names where each rank waits.
     env.setdefault("DS_VSHAPE_TEST_DUMP_AFTER_S", str(max(timeout - 20, 10)))
-    began, status = time.monotonic(), "failed"  # _run returns 0 or raises (timed out, non-zero exit)
+    began, ok = time.monotonic(), False
     try:
-        status = _run(cmd, env=env, timeout=timeout, workdir=workdir, nproc=nproc)
+        _run(cmd, env=env, timeout=timeout, workdir=workdir, nproc=nproc)
+        ok = True
     finally:
-        _log_times(workdir, nproc, mode, time.monotonic() - began, status)
+        _log_times(workdir, nproc, mode, time.monotonic() - began, ok=ok)
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, nproc: int) -> int:
+def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, nproc: int) -> None:
     """Run the launch's command; its log goes to ``workdir/log.txt``. Raises, with the log's tail, where
     it timed out or exited non-zero."""
     try:
@@ -111,11 +112,10 @@ def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, np
     (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"the launch of {nproc} ranks exited {proc.returncode}; log tail:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return proc.returncode
 
 
-def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float, status: int | str) -> None:
-    """Append the launch's wall time, its status (0, or "failed": timed out or exited non-zero) and
+def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float, *, ok: bool) -> None:
+    """Append the launch's wall time, whether it ended well (not: timed out or exited non-zero) and
     rank 0's seconds before its first case and per case (where rank 0 wrote them) to
     ``$DS_VSHAPE_TEST_TIMES``, if set: which launches and cases the suite's time goes to."""
     path = os.environ.get(TIMES_ENV)
@@ -124,7 +124,7 @@ def _log_times(workdir: Path, nproc: int, mode: str | None, wall_s: float, statu
     seconds = workdir / "rank0.seconds.json"
     cases = json.loads(seconds.read_text()) if seconds.exists() else {}
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
-    line = {"test": test, "nproc": nproc, "mode": mode, "status": status, "wall_s": round(wall_s, 2),
+    line = {"test": test, "nproc": nproc, "mode": mode, "ok": ok, "wall_s": round(wall_s, 2),
             "cases": {k: round(v, 2) for k, v in cases.items()}}
     with open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
@@ -139,8 +139,9 @@ def run_ranks(cmd: list[str], *, env: dict[str, str], timeout: float) -> subproc
     torchrun starts each rank in a session of its own (spawn.py's ranks share its session), so
     killing torchrun alone would leave its ranks running: they would keep the cores busy, so that
     every later launch runs slower, up to its own timeout, and one of them may hold the lock of a
-    DeepSpeed op's build, on which every later rank then waits forever. On timeout the command and every process below it get
-    SIGTERM, then SIGKILL after ``GRACE_S``; raises ``subprocess.TimeoutExpired`` with the output so far.
+    DeepSpeed op's build, on which every later rank then waits forever. On timeout the command and
+    every process below it get SIGTERM, then SIGKILL after ``GRACE_S``; raises
+    ``subprocess.TimeoutExpired`` with the output so far.
     """
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

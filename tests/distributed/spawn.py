@@ -32,6 +32,7 @@ __all__ = ["main", "rank_env"]
 
 GRACE_S = 10.0  # how long the other ranks get to end on SIGTERM after one failed
 POLL_S = 0.02
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # those that end the spawner, and its ranks with it
 
 
 def rank_env(base: dict[str, str], *, rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before any rank exists
+    for signum in SIGNALS:  # before any rank exists
         signal.signal(signum, _raise_exit)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
         return _wait(procs)
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a second signal must not cut the ending short
+        for signum in SIGNALS:  # a second signal must not cut the ending short
             signal.signal(signum, signal.SIG_IGN)
         _end(procs)
 

@@ -2,9 +2,9 @@
 
 Launched by tests/distributed/launch.py (through spawn.py on gloo, torchrun on GPUs). Every
 case builds the same small model as a PipelineModule and as a plain nn.Sequential reference,
-trains both for a few optimizer steps with gradient clipping, and records the pipeline's losses and every local
-parameter's largest difference from the reference. Each rank writes one JSON file; the
-pytest side asserts on them, so a failure names the case and the rank.
+trains both for a few optimizer steps with gradient clipping, and records the pipeline's
+losses and every local parameter's largest difference from the reference. Each rank writes
+one JSON file; the pytest side asserts on them, so a failure names the case and the rank.
 """
 
 from __future__ import annotations
@@ -563,8 +563,8 @@ def main() -> None:
         json.dump(results, fh, indent=1)
     with open(os.path.join(out_dir, f"rank{rank}.seconds.json"), "w") as fh:  # launch.py's time log reads it
         json.dump(seconds, fh)
-    _exit_if_wedged()
-    _tear_down()
+    if not _wedged():
+        _tear_down()
     _leave()
 
 
@@ -582,30 +582,27 @@ def _synchronizes() -> tuple[int, int]:
 
 
 def _tear_down() -> None:
-    """Destroy the process groups before the rank ends (``_leave``).
+    """Destroy the process groups before the rank ends (``_leave``), as a job does.
 
-    Gloo's worker threads may still hold work at interpreter teardown, which aborts the rank now
-    and then ("terminate called without an active exception"). A case that timed out on purpose
-    leaves gloo pairs closed, so the barrier fails there: the results are written, so skip
-    teardown altogether in that case.
+    A case that timed out on purpose leaves gloo pairs closed, so the barrier fails there: the
+    results are written, so the rank just ends.
     """
     try:
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # a pair closed by an intended timeout
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        pass
 
 
 THREADS_END_S = 30.0  # how long the threads that would hold up the interpreter's exit get to end
 
 
 def _leave() -> None:
-    """End the rank without the interpreter's finalization, once the results are written and the
-    process groups destroyed: finalizing torch and DeepSpeed takes seconds of C-level teardown on
-    every rank, which each launch paid. What that finalization would show first, a thread that keeps
-    the process from exiting (a user's job would hang at its end), fails the rank here instead."""
+    """End the rank without the interpreter's finalization, once the results are written: finalizing
+    torch and DeepSpeed takes seconds of C-level teardown on every rank, which each launch paid (and
+    with gloo's threads still holding work it aborted a rank now and then). What that finalization
+    would show first, a thread that keeps the process from exiting (a user's job would hang at its
+    end), fails the rank here instead."""
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     deadline = time.monotonic() + THREADS_END_S
     for thread in others:  # the interpreter would wait for each of them before exiting
@@ -619,14 +616,11 @@ def _leave() -> None:
     os._exit(1 if stuck else 0)
 
 
-def _exit_if_wedged() -> None:
-    """End the rank at once, before the barrier and the groups' destruction, when emulated p2p pairs are
-    wedged (tearing them down would abort or hang the rank)."""
+def _wedged() -> bool:
+    """Whether emulated p2p pairs are wedged: the barrier and the groups' destruction would then hang
+    or abort the rank, so it ends without them."""
     emulation = sys.modules.get("tests.distributed.nccl_emulation")
-    if emulation is not None and emulation.unfinished_ops():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    return emulation is not None and bool(emulation.unfinished_ops())
 
 
 if __name__ == "__main__":
