@@ -38,7 +38,10 @@ class Kind(str, Enum):
     @property
     def is_backward(self) -> bool:
         """True for the passes that consume the gradient of the stage output."""
-        return self in (Kind.B, Kind.BW)
+        return self in _BACKWARD_KINDS  # a set made once: the lowering and the checks ask this per action
+
+
+_BACKWARD_KINDS = frozenset([Kind.B, Kind.BW])
 
 
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)(?:\.(\d+))?$")
@@ -127,6 +130,22 @@ class Schedule:
             )
         if len(self.ranks) != self.stages:
             raise ValueError(f"schedule has {len(self.ranks)} rank lists, expected {self.stages}")
+
+    def __hash__(self) -> int:
+        # The lowering's caches look a schedule up once per rank and pass: hashing every action each
+        # time cost more than some passes. Computed once; left out of pickles and copies (``__getstate__``),
+        # since a string's hash differs between processes.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.stages, self.micro_batches, self.chunks_per_rank, self.seq_chunks,
+                           self.stage_to_rank, self.ranks))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
     @property
     def num_model_stages(self) -> int:

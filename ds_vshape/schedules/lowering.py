@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 
+_BACKWARD_KINDS = frozenset(k for k in Kind if k.is_backward)
 _COMPUTE = {Kind.F: OpKind.FORWARD, Kind.B: OpKind.BACKWARD_INPUT, Kind.W: OpKind.BACKWARD_WEIGHT, Kind.BW: OpKind.BACKWARD}
 
 
@@ -73,18 +74,19 @@ def merge_backward(actions: tuple[Action, ...], *, sends_grad: frozenset[int] = 
 
 def add_communication(schedule: Schedule, rank: int, actions: tuple[Action, ...]) -> list[Op]:
     """Compute ops with the sends and receives their neighbours on other ranks need."""
-    S, owner = schedule.num_model_stages, schedule.stage_to_rank
+    last, owner = schedule.num_model_stages - 1, schedule.stage_to_rank
     ops: list[Op] = []
     for a in actions:
-        s, i, j = a.unit
-        if a.kind is Kind.F and s > 0 and owner[s - 1] != rank:
+        kind, s, i, j = a.kind, a.stage, a.micro_batch, a.seq_chunk
+        forward, backward = kind is Kind.F, kind in _BACKWARD_KINDS
+        if forward and s > 0 and owner[s - 1] != rank:
             ops.append(Op(OpKind.RECV_ACT, s, i, j, peer=owner[s - 1]))
-        if a.kind.is_backward and s < S - 1 and owner[s + 1] != rank:
+        if backward and s < last and owner[s + 1] != rank:
             ops.append(Op(OpKind.RECV_GRAD, s, i, j, peer=owner[s + 1]))
-        ops.append(Op(_COMPUTE[a.kind], s, i, j))
-        if a.kind is Kind.F and s < S - 1 and owner[s + 1] != rank:
+        ops.append(Op(_COMPUTE[kind], s, i, j))
+        if forward and s < last and owner[s + 1] != rank:
             ops.append(Op(OpKind.SEND_ACT, s + 1, i, j, peer=owner[s + 1]))
-        if a.kind.is_backward and s > 0 and owner[s - 1] != rank:
+        if backward and s > 0 and owner[s - 1] != rank:
             ops.append(Op(OpKind.SEND_GRAD, s - 1, i, j, peer=owner[s - 1]))
     return ops
 
@@ -227,9 +229,9 @@ def add_step_tail(ops: list[Op]) -> list[Op]:
 def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int = 2, one_queue: bool = False) -> list[Op]:
     """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation).
     ``one_queue``: posts in the step's one global transfer order (safe with one hardware queue per rank)."""
-    orders, progs, pairs = _plan(schedule, train)
+    progs, pairs, first_sent = _plan(schedule, train)[1:]
     ops = add_communication(schedule, rank, progs[rank])
-    ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sends(schedule, orders))
+    ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sent)
     if one_queue:
         ops = place_posts_in_global_order(ops, rank, _keys(schedule, train), lookahead=lookahead)
     else:
@@ -255,22 +257,23 @@ def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
 
 
 @lru_cache(maxsize=32)
-def _plan(schedule: Schedule, train: bool) -> tuple[tuple, tuple, dict[Pair, tuple]]:
-    """Per rank: the action order, the lowered action order; and every pair's transfer order.
-    Shared by all ranks' lowering, so it is computed once per schedule."""
+def _plan(schedule: Schedule, train: bool) -> tuple[tuple, tuple, dict[Pair, tuple], dict[tuple[OpKind, int], tuple[int, int]]]:
+    """Per rank: the action order, the lowered action order; every pair's transfer order; and which
+    unit each link sends first (``first_sends``). Shared by all ranks' lowering, so it is computed
+    once per schedule."""
     orders = schedule.ranks if train else tuple(_wavefront(actions) for actions in schedule.ranks)
     owner = schedule.stage_to_rank
     progs = []
     for rank in range(schedule.stages):
         remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
         progs.append(merge_backward(orders[rank], sends_grad=remote))
-    return orders, tuple(progs), pair_orders(schedule, progs, _sends_of(schedule))
+    return orders, tuple(progs), pair_orders(schedule, progs, _sends_of(schedule)), first_sends(schedule, orders)
 
 
 @lru_cache(maxsize=32)
 def _keys(schedule: Schedule, train: bool) -> dict[tuple, GlobalKey]:
     """The step's one global transfer order (``one_queue.transfer_keys``), computed once per schedule."""
-    _orders, progs, _pairs = _plan(schedule, train)
+    progs = _plan(schedule, train)[1]
     return transfer_keys(schedule, progs, _sends_of(schedule))
 
 

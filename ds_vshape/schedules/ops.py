@@ -38,6 +38,7 @@ COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIG
 BACKWARDS = COMPUTE - {OpKind.FORWARD}
 # Points for ZeRO's data-parallel work; an engine whose ZeRO stage needs none drops them.
 DATA_PARALLEL = frozenset({OpKind.REDUCE_STAGE_GRADS, OpKind.GATHER_PARAMS, OpKind.RELEASE_PARAMS})
+_ACT_KINDS = frozenset({OpKind.SEND_ACT, OpKind.POST_ACT, OpKind.RECV_ACT})  # what moves activations (``Op.transfer``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class Op:
     def transfer(self) -> tuple[str, int, int, int]:
         """What a send, post or wait moves: (direction, consuming stage, micro-batch, chunk).
         Both ends of one transfer name it the same way."""
-        direction = "act" if self.kind in (OpKind.SEND_ACT, OpKind.POST_ACT, OpKind.RECV_ACT) else "grad"
+        direction = "act" if self.kind in _ACT_KINDS else "grad"
         return (direction, self.stage, self.micro_batch, self.seq_chunk)
 
     def __str__(self) -> str:

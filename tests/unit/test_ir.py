@@ -157,3 +157,19 @@ def test_all_schedules_simulate_fast_at_p8_m64() -> None:
     print(f"\ngenerate+validate+simulate of {len(simulated)} schedules at p=8, m=64: {elapsed:.3f} s")
     assert "1f1b" in simulated
     assert elapsed < 5.0
+
+
+def test_a_schedules_hash_is_computed_once_and_never_travels() -> None:
+    """The lowering's caches hash a schedule per lookup: its hash is kept, equal schedules hash alike,
+    and a pickle or copy carries no hash (a string's hash differs between processes)."""
+    import copy
+    import pickle
+
+    one, two = generate("v-zb", 4, 8), generate("v-zb", 4, 8)
+    assert one is not two and one == two and hash(one) == hash(two)
+    assert one.__dict__["_hash"] == hash(one)
+    assert "_hash" not in one.__getstate__()
+    for clone in (pickle.loads(pickle.dumps(one)), copy.deepcopy(one), copy.copy(one)):
+        assert "_hash" not in clone.__dict__ and clone == one and hash(clone) == hash(one)
+    other = generate("v-zb", 4, 12)
+    assert other != one and {one: 1, other: 2}[two] == 1
