@@ -83,7 +83,8 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
         del env["DS_ACCELERATOR"]
     # spawn.py starts the ranks with torchrun's environment, without its agent's seconds per launch; the
     # GPU tier keeps torchrun, the launcher its jobs use.
-    cmd = ([sys.executable, str(SPAWN), f"--nproc={nproc}", f"--port={free_port()}"] if backend == "gloo" else
+    cmd = ([sys.executable, str(SPAWN), f"--nproc={nproc}", f"--port={free_port()}", f"--preload={_preload(cases)}"]
+           if backend == "gloo" else
            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"])
     cmd += [str(WORKER), str(cases_file), str(workdir)]
     # A rank still running shortly before the timeout prints every thread's stack (worker.py),
@@ -96,6 +97,24 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     finally:
         _log_times(workdir, nproc, mode, time.monotonic() - began, ok=ok)
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+# What every rank imports before or during its first case, seconds of it (``python -X importtime``): torch._dynamo
+# (the first ``zero_grad`` of torch's optimizers), DeepSpeed's Muon check (torch._inductor behind it, in every
+# engine's optimizer set-up). spawn.py imports them once and then forks the ranks, rather than every rank on
+# shared cores; a module this DeepSpeed lacks is skipped there.
+PRELOAD = ("torch._dynamo", "torch._dynamo.aot_compile", "deepspeed", "deepspeed.pipe", "deepspeed.ops",
+           "deepspeed.module_inject", "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2",
+           "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.muon.muon_optimizer", "ds_vshape.api",
+           "tests.distributed.cpu_fp16")
+FORK_ENV = "DS_VSHAPE_TEST_FORK"  # "0": every rank a new interpreter that imports everything itself
+
+
+def _preload(cases: list[dict[str, Any]]) -> str:
+    """spawn.py's ``--preload``: ``PRELOAD``, with transformers where a case builds a Hugging Face model."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return ""
+    return ",".join(PRELOAD + (("transformers",) if any("hf" in case for case in cases) else ()))
 
 
 def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, nproc: int) -> None:

@@ -16,17 +16,26 @@ after a grace period) and the exit status is non-zero, with a line naming the fa
 lowest one seen failed at a poll: a peer may fail in the same instant because of it). Ended by a
 signal itself (SIGTERM, SIGINT, SIGHUP), it ends its ranks the same way.
 
-It imports nothing beyond the standard library, so it starts in milliseconds.
+Its own code imports nothing beyond the standard library, so it starts in milliseconds. With
+``--preload torch,deepspeed,...`` it imports those modules first and then forks each rank from
+itself (``os.fork``; the rank runs the script as ``__main__`` in its own environment): the ranks
+find them imported, where each rank would otherwise import them on cores it shares with the
+others. It forks only while it has a single thread (a forked child would find another thread's
+locks held for good), and starts new processes otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import time
+import traceback
+from typing import Any, Protocol
 
 __all__ = ["main", "rank_env"]
 
@@ -47,7 +56,100 @@ def rank_env(base: dict[str, str], *, rank: int, nproc: int, port: int) -> dict[
     return env
 
 
-def _end(procs: list[subprocess.Popen[bytes]]) -> None:
+class Rank(Protocol):
+    """What the spawner asks of a rank's process: ``subprocess.Popen``'s calls, which ``Forked`` has too."""
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class Forked:
+    """A rank forked from this process (``--preload``), with the ``subprocess.Popen`` calls the spawner
+    makes: its status as ``Popen.returncode`` gives it (negative: ended by that signal)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            time.sleep(POLL_S)
+        return code
+
+    def _signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # ended since the poll; the next poll reaps it
+                pass
+
+
+def _fork(script: str, args: list[str], env: dict[str, str], handlers: dict[int, Any]) -> Forked:
+    """Run ``script`` as ``__main__`` in a child of this process, in ``env``, as ``python script args`` would;
+    ``handlers``: the signal handlers this process had before it set its own (the child's)."""
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing buffered here may come out twice
+    pid = os.fork()
+    if pid:
+        return Forked(pid)
+    code = 1
+    try:  # the child: never returns into the spawner
+        for signum, handler in handlers.items():
+            if handler is not None:  # None: set outside Python, and left as it is
+                signal.signal(signum, handler)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if not isinstance(exit_.code, (int, type(None))):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the rank's failure, printed as the interpreter would
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _preload(modules: list[str]) -> bool:
+    """Import ``modules`` here, once for every rank; True where forking is then safe (this process
+    still has one thread: a thread's locks would be held forever in a forked child)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not in this version of the package: the ranks import what theirs has
+            pass
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+    if threads != 1:
+        print(f"spawn.py: {threads} threads after --preload; starting the ranks as new processes", file=sys.stderr, flush=True)
+    return threads == 1
+
+
+def _end(procs: list[Rank]) -> None:
     """SIGTERM to every rank still running, SIGKILL to those left after ``GRACE_S``."""
     for proc in procs:
         if proc.poll() is None:
@@ -61,7 +163,7 @@ def _end(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
+def _wait(procs: list[Rank]) -> int:
     """0 once every rank ended well; else the status of the first failure seen (the caller ends the rest)."""
     while True:
         codes = [proc.poll() for proc in procs]
@@ -86,18 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start (at least 1)")
     parser.add_argument("--port", type=int, required=True, help="MASTER_PORT: rank 0 hosts the store there")
+    parser.add_argument("--preload", default="", help="modules to import here, comma-separated: the ranks are then "
+                        "forked from this process and find them imported (their imports paid once, not per rank)")
     parser.add_argument("script", help="the Python script each rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # what a forked rank gets back
     for signum in SIGNALS:  # before any rank exists
         signal.signal(signum, _raise_exit)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Rank] = []
     try:
+        fork = bool(args.preload) and _preload([m for m in args.preload.split(",") if m])
         for rank in range(args.nproc):
             env = rank_env(dict(os.environ), rank=rank, nproc=args.nproc, port=args.port)
-            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
+            procs.append(_fork(args.script, args.args, env, handlers) if fork else
+                         subprocess.Popen([sys.executable, args.script, *args.args], env=env))
         return _wait(procs)
     finally:
         for signum in SIGNALS:  # a second signal must not cut the ending short

@@ -69,11 +69,12 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
     assert not left, f"ranks outlived the timed-out launch: {left}"
 
 
-# A rank of spawn.py: prints what it was given; rank 0 then says so in a file and would wait 600 s,
-# rank 1 waits for that file and fails.
+# A rank of spawn.py: prints what it was given (and whether it found json imported); rank 0 then says so
+# in a file and would wait 600 s, rank 1 waits for that file and fails.
 _RANK = r"""import os, sys, time
 names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
-os.write(1, (' '.join([str(os.getpid()), *(os.environ[n] for n in names)]) + '\n').encode())  # one write: the ranks share the pipe
+row = [str(os.getpid()), *(os.environ[n] for n in names), str('json' in sys.modules)]
+os.write(1, (' '.join(row) + '\n').encode())  # one write: the ranks share the pipe
 ready = sys.argv[1]
 if os.environ['RANK'] == '0':
     open(ready, 'w').close()
@@ -84,17 +85,31 @@ sys.exit(3)
 """
 
 
-def test_spawn_gives_each_rank_torchruns_variables_and_ends_the_others_when_one_fails(tmp_path: Path) -> None:
-    """The test launches' launcher: one rank failing ends the job (as under torchrun), naming it; nothing is left."""
+@pytest.mark.parametrize("preload", ["", "json,no_such_module_here"], ids=["processes", "forked"])
+def test_spawn_gives_each_rank_torchruns_variables_and_ends_the_others_when_one_fails(tmp_path: Path, preload: str) -> None:
+    """The test launches' launcher: one rank failing ends the job (as under torchrun), naming it; nothing is left.
+    With ``--preload`` the ranks are forked after its imports (a module missing is skipped) and find them done."""
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    cmd = [sys.executable, str(SPAWN), "--nproc=2", "--port=29123", str(script), str(tmp_path / "ready")]
+    cmd = [sys.executable, str(SPAWN), "--nproc=2", "--port=29123", f"--preload={preload}", str(script), str(tmp_path / "ready")]
     proc = run_ranks(cmd, env=dict(os.environ), timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "rank 1 exited with status 3" in proc.stderr
     rows = sorted((line.split() for line in proc.stdout.splitlines()), key=lambda row: row[1])
-    assert [row[1:] for row in rows] == [["0", "0", "2", "2", "127.0.0.1", "29123"], ["1", "1", "2", "2", "127.0.0.1", "29123"]]
+    loaded = str(bool(preload))
+    assert [row[1:] for row in rows] == [["0", "0", "2", "2", "127.0.0.1", "29123", loaded],
+                                         ["1", "1", "2", "2", "127.0.0.1", "29123", loaded]]
     assert not any(process_alive(int(row[0])) and not _zombie(int(row[0])) for row in rows), rows
+
+
+def test_a_forked_rank_that_raises_fails_the_job_with_its_traceback(tmp_path: Path) -> None:
+    """A forked rank's uncaught exception is printed as the interpreter would and fails the job (status 1)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 gives up')\n")
+    cmd = [sys.executable, str(SPAWN), "--nproc=2", "--port=29124", "--preload=json", str(script)]
+    proc = run_ranks(cmd, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "ValueError: rank 1 gives up" in proc.stderr and "rank 1 exited with status 1" in proc.stderr
 
 
 def test_only_a_lock_no_build_touched_for_long_is_cleared(tmp_path: Path) -> None:
