@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Kind", "Action", "Schedule", "Unit", "parse_action", "F", "B", "W", "BW"]
+__all__ = ["BACKWARD_KINDS", "Kind", "Action", "Schedule", "Unit", "parse_action", "F", "B", "W", "BW"]
 
 # One piece of work a pass runs on: (model stage, micro-batch, sequence chunk).
 Unit = tuple[int, int, int]
@@ -38,10 +38,10 @@ class Kind(str, Enum):
     @property
     def is_backward(self) -> bool:
         """True for the passes that consume the gradient of the stage output."""
-        return self in _BACKWARD_KINDS  # a set made once: the lowering and the checks ask this per action
+        return self in BACKWARD_KINDS  # a set made once: the lowering and the checks ask this per action
 
 
-_BACKWARD_KINDS = frozenset([Kind.B, Kind.BW])
+BACKWARD_KINDS = frozenset([Kind.B, Kind.BW])
 
 
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)(?:\.(\d+))?$")

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
-from .ir import Action, F, Kind, Schedule
+from .ir import BACKWARD_KINDS, Action, F, Kind, Schedule
 from .ops import BACKWARDS, COMPUTE, SENDS, Op, OpKind, format_ops
 from .one_queue import GlobalKey, place_posts_in_global_order, transfer_keys
 from .p2p_order import Pair, group_crossing, pair_orders, place_posts
@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 
-_BACKWARD_KINDS = frozenset(k for k in Kind if k.is_backward)
 _COMPUTE = {Kind.F: OpKind.FORWARD, Kind.B: OpKind.BACKWARD_INPUT, Kind.W: OpKind.BACKWARD_WEIGHT, Kind.BW: OpKind.BACKWARD}
 
 
@@ -78,7 +77,7 @@ def add_communication(schedule: Schedule, rank: int, actions: tuple[Action, ...]
     ops: list[Op] = []
     for a in actions:
         kind, s, i, j = a.kind, a.stage, a.micro_batch, a.seq_chunk
-        forward, backward = kind is Kind.F, kind in _BACKWARD_KINDS
+        forward, backward = kind is Kind.F, kind in BACKWARD_KINDS
         if forward and s > 0 and owner[s - 1] != rank:
             ops.append(Op(OpKind.RECV_ACT, s, i, j, peer=owner[s - 1]))
         if backward and s < last and owner[s + 1] != rank:
@@ -229,7 +228,7 @@ def add_step_tail(ops: list[Op]) -> list[Op]:
 def lower(schedule: Schedule, rank: int, *, train: bool = True, lookahead: int = 2, one_queue: bool = False) -> list[Op]:
     """The whole chain for one rank. ``train=False`` keeps forwards only (evaluation).
     ``one_queue``: posts in the step's one global transfer order (safe with one hardware queue per rank)."""
-    progs, pairs, first_sent = _plan(schedule, train)[1:]
+    progs, pairs, first_sent = _plan(schedule, train)
     ops = add_communication(schedule, rank, progs[rank])
     ops = mark_shape_headers(assign_buffers(add_data_loading(schedule, ops)), first_sent)
     if one_queue:
@@ -257,23 +256,23 @@ def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
 
 
 @lru_cache(maxsize=32)
-def _plan(schedule: Schedule, train: bool) -> tuple[tuple, tuple, dict[Pair, tuple], dict[tuple[OpKind, int], tuple[int, int]]]:
-    """Per rank: the action order, the lowered action order; every pair's transfer order; and which
-    unit each link sends first (``first_sends``). Shared by all ranks' lowering, so it is computed
-    once per schedule."""
+def _plan(schedule: Schedule, train: bool) -> tuple[tuple[tuple[Action, ...], ...], dict[Pair, tuple],
+                                                    dict[tuple[OpKind, int], tuple[int, int]]]:
+    """Per rank the lowered action order; every pair's transfer order; which unit each link sends first
+    (``first_sends``). Shared by all ranks' lowering, so it is computed once per schedule object."""
     orders = schedule.ranks if train else tuple(_wavefront(actions) for actions in schedule.ranks)
     owner = schedule.stage_to_rank
     progs = []
     for rank in range(schedule.stages):
         remote = frozenset(s for s in range(1, schedule.num_model_stages) if owner[s] == rank and owner[s - 1] != rank)
         progs.append(merge_backward(orders[rank], sends_grad=remote))
-    return orders, tuple(progs), pair_orders(schedule, progs, _sends_of(schedule)), first_sends(schedule, orders)
+    return tuple(progs), pair_orders(schedule, progs, _sends_of(schedule)), first_sends(schedule, orders)
 
 
 @lru_cache(maxsize=32)
 def _keys(schedule: Schedule, train: bool) -> dict[tuple, GlobalKey]:
     """The step's one global transfer order (``one_queue.transfer_keys``), computed once per schedule."""
-    progs = _plan(schedule, train)[1]
+    progs = _plan(schedule, train)[0]
     return transfer_keys(schedule, progs, _sends_of(schedule))
 
 

@@ -83,7 +83,7 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
         del env["DS_ACCELERATOR"]
     # spawn.py starts the ranks with torchrun's environment, without its agent's seconds per launch; the
     # GPU tier keeps torchrun, the launcher its jobs use.
-    cmd = ([sys.executable, str(SPAWN), f"--nproc={nproc}", f"--port={free_port()}", f"--preload={_preload(cases)}"]
+    cmd = ([sys.executable, str(SPAWN), f"--nproc={nproc}", f"--port={free_port()}", f"--preload={_preload_arg(cases)}"]
            if backend == "gloo" else
            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"])
     cmd += [str(WORKER), str(cases_file), str(workdir)]
@@ -110,7 +110,7 @@ PRELOAD = ("torch._dynamo", "torch._dynamo.aot_compile", "deepspeed", "deepspeed
 FORK_ENV = "DS_VSHAPE_TEST_FORK"  # "0": every rank a new interpreter that imports everything itself
 
 
-def _preload(cases: list[dict[str, Any]]) -> str:
+def _preload_arg(cases: list[dict[str, Any]]) -> str:
     """spawn.py's ``--preload``: ``PRELOAD``, with transformers where a case builds a Hugging Face model."""
     if os.environ.get(FORK_ENV, "1") == "0":
         return ""

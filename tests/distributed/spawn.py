@@ -27,6 +27,7 @@ locks held for good), and starts new processes otherwise.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import runpy
@@ -34,8 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 __all__ = ["main", "rank_env"]
 
@@ -56,8 +56,8 @@ def rank_env(base: dict[str, str], *, rank: int, nproc: int, port: int) -> dict[
     return env
 
 
-class Rank(Protocol):
-    """What the spawner asks of a rank's process: ``subprocess.Popen``'s calls, which ``Forked`` has too."""
+class _Rank(Protocol):
+    """What the spawner asks of a rank's process: ``subprocess.Popen``'s calls, which ``_Forked`` has too."""
 
     def poll(self) -> int | None: ...
 
@@ -68,18 +68,23 @@ class Rank(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-class Forked:
+class _Forked:
     """A rank forked from this process (``--preload``), with the ``subprocess.Popen`` calls the spawner
     makes: its status as ``Popen.returncode`` gives it (negative: ended by that signal)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
+        self.pid = pid
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by an earlier poll that a signal cut short: as Popen, 0
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def terminate(self) -> None:
@@ -104,19 +109,33 @@ class Forked:
                 pass
 
 
-def _fork(script: str, args: list[str], env: dict[str, str], handlers: dict[int, Any]) -> Forked:
+_Handlers = dict[signal.Signals, Any]  # signal -> handler, as ``signal.getsignal`` gives it
+
+
+def _fork(script: str, args: list[str], env: dict[str, str], handlers: _Handlers) -> _Forked:
     """Run ``script`` as ``__main__`` in a child of this process, in ``env``, as ``python script args`` would;
-    ``handlers``: the signal handlers this process had before it set its own (the child's)."""
+    ``handlers``: the signal handlers this process had before it set its own (the child's). Called with
+    ``SIGNALS`` blocked."""
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered here may come out twice
     pid = os.fork()
-    if pid:
-        return Forked(pid)
+    if pid == 0:
+        _run_rank(script, args, env, handlers)
+    return _Forked(pid)
+
+
+def _run_rank(script: str, args: list[str], env: dict[str, str], handlers: _Handlers) -> NoReturn:
+    """The forked child: runs the script and exits with its status, never returning into the spawner.
+    What differs from a new interpreter: ``atexit`` handlers do not run, and an interrupt ends it with
+    status 1 (the worker itself ends through ``os._exit``)."""
     code = 1
-    try:  # the child: never returns into the spawner
-        for signum, handler in handlers.items():
-            if handler is not None:  # None: set outside Python, and left as it is
-                signal.signal(signum, handler)
+    try:
+        try:
+            for signum, handler in handlers.items():
+                if handler is not None:  # None: set outside Python, and left as it is
+                    signal.signal(signum, handler)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [script, *args]
@@ -128,11 +147,13 @@ def _fork(script: str, args: list[str], env: dict[str, str], handlers: dict[int,
         if not isinstance(exit_.code, (int, type(None))):
             print(exit_.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - the rank's failure, printed as the interpreter would
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _preload(modules: list[str]) -> bool:
@@ -141,15 +162,20 @@ def _preload(modules: list[str]) -> bool:
     for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError:  # not in this version of the package: the ranks import what theirs has
-            pass
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+        except ModuleNotFoundError as err:  # not in this version of the package: the ranks import what theirs has
+            if err.name is None or not name.startswith(err.name):
+                raise
+    if not os.path.isdir("/proc/self/task"):
+        print("spawn.py: cannot count this process's threads (no /proc); starting the ranks as new processes",
+              file=sys.stderr, flush=True)
+        return False
+    threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         print(f"spawn.py: {threads} threads after --preload; starting the ranks as new processes", file=sys.stderr, flush=True)
     return threads == 1
 
 
-def _end(procs: list[Rank]) -> None:
+def _end(procs: list[_Rank]) -> None:
     """SIGTERM to every rank still running, SIGKILL to those left after ``GRACE_S``."""
     for proc in procs:
         if proc.poll() is None:
@@ -163,7 +189,7 @@ def _end(procs: list[Rank]) -> None:
             proc.wait()
 
 
-def _wait(procs: list[Rank]) -> int:
+def _wait(procs: list[_Rank]) -> int:
     """0 once every rank ended well; else the status of the first failure seen (the caller ends the rest)."""
     while True:
         codes = [proc.poll() for proc in procs]
@@ -198,13 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # what a forked rank gets back
     for signum in SIGNALS:  # before any rank exists
         signal.signal(signum, _raise_exit)
-    procs: list[Rank] = []
+    # A launch that times out ends this process with SIGTERM: while it imports (no ranks yet) its stack
+    # shows where, as every rank's does (worker.py); the handler above runs after the dump (chained).
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    procs: list[_Rank] = []
     try:
         fork = bool(args.preload) and _preload([m for m in args.preload.split(",") if m])
         for rank in range(args.nproc):
             env = rank_env(dict(os.environ), rank=rank, nproc=args.nproc, port=args.port)
-            procs.append(_fork(args.script, args.args, env, handlers) if fork else
-                         subprocess.Popen([sys.executable, args.script, *args.args], env=env))
+            if not fork:
+                procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
+                continue
+            # Blocked from before the fork until the rank is listed: the child must not run this process's
+            # handlers (they raise into code it must never return to; it unblocks once it has its own), and
+            # a signal must not end this process with a rank it does not know of.
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+            try:
+                procs.append(_fork(args.script, args.args, env, handlers))
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         return _wait(procs)
     finally:
         for signum in SIGNALS:  # a second signal must not cut the ending short

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from .deepspeed_ops import EXTENSIONS_ENV, clear_stale_locks, extensions_dir
-from .launch import SPAWN, launch, process_alive, run_ranks
+from .launch import FORK_ENV, SPAWN, launch, process_alive, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -55,6 +55,7 @@ def test_ranks_waiting_on_a_build_lock_time_out_naming_it_and_leave_nothing_behi
     (folder / "deepspeed_shm_comm").mkdir(exist_ok=True)
     (folder / "deepspeed_shm_comm" / "lock").touch()
     monkeypatch.setenv(EXTENSIONS_ENV, str(folder))
+    monkeypatch.setenv(FORK_ENV, "0")  # every rank its own interpreter: each prints its stack, however far its imports got
     with pytest.raises(RuntimeError, match="ranks timed out after 20 s") as err:
         launch([{"name": "waits", "p": 2, "m": 2, "schedule": "1f1b"}], 2, tmp_path / "launch", timeout=20)
     # One stack per rank, its main thread's bottom frame the worker's module: on a loaded machine a rank

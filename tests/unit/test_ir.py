@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import time
 
 import pytest
@@ -162,9 +164,6 @@ def test_all_schedules_simulate_fast_at_p8_m64() -> None:
 def test_a_schedules_hash_is_computed_once_and_never_travels() -> None:
     """The lowering's caches hash a schedule per lookup: its hash is kept, equal schedules hash alike,
     and a pickle or copy carries no hash (a string's hash differs between processes)."""
-    import copy
-    import pickle
-
     one, two = generate("v-zb", 4, 8), generate("v-zb", 4, 8)
     assert one is not two and one == two and hash(one) == hash(two)
     assert one.__dict__["_hash"] == hash(one)
