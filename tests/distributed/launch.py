@@ -99,22 +99,25 @@ def launch(cases: list[dict[str, Any]], nproc: int, workdir: Path, *, timeout: i
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-# What every rank imports before or during its first case, seconds of it (``python -X importtime``): torch._dynamo
-# (the first ``zero_grad`` of torch's optimizers), DeepSpeed's Muon check (torch._inductor behind it, in every
-# engine's optimizer set-up). spawn.py imports them once and then forks the ranks, rather than every rank on
-# shared cores; a module this DeepSpeed lacks is skipped there.
-PRELOAD = ("torch._dynamo", "torch._dynamo.aot_compile", "deepspeed", "deepspeed.pipe", "deepspeed.ops",
-           "deepspeed.module_inject", "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2",
-           "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.muon.muon_optimizer", "ds_vshape.api",
+# What every rank imports before or during its first case (``python -X importtime``): torch._dynamo (the first
+# ``zero_grad`` of torch's optimizers), DeepSpeed's pipeline engine, ds_vshape; with ZeRO also its optimizers
+# and their Muon check (torch._inductor behind it, seconds). spawn.py imports them once and then forks the
+# ranks, rather than every rank on shared cores; a module this DeepSpeed lacks is skipped there.
+PRELOAD = ("torch._dynamo", "deepspeed", "deepspeed.pipe", "deepspeed.runtime.pipe.engine", "ds_vshape.api",
            "tests.distributed.cpu_fp16")
+PRELOAD_ZERO = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+                "deepspeed.runtime.zero.muon.muon_optimizer")
 FORK_ENV = "DS_VSHAPE_TEST_FORK"  # "0": every rank a new interpreter that imports everything itself
 
 
 def _preload_arg(cases: list[dict[str, Any]]) -> str:
-    """spawn.py's ``--preload``: ``PRELOAD``, with transformers where a case builds a Hugging Face model."""
+    """spawn.py's ``--preload``: ``PRELOAD``; ``PRELOAD_ZERO`` where a case names ZeRO anywhere (its stage,
+    its config, its name: a module imported in vain costs less than one imported per rank), transformers
+    where a case builds a Hugging Face model."""
     if os.environ.get(FORK_ENV, "1") == "0":
         return ""
-    return ",".join(PRELOAD + (("transformers",) if any("hf" in case for case in cases) else ()))
+    zero = PRELOAD_ZERO if any("zero" in json.dumps(case) for case in cases) else ()
+    return ",".join(PRELOAD + zero + (("transformers",) if any("hf" in case for case in cases) else ()))
 
 
 def _run(cmd: list[str], *, env: dict[str, str], timeout: int, workdir: Path, nproc: int) -> None:

@@ -20,7 +20,8 @@ Its own code imports nothing beyond the standard library, so it starts in millis
 ``--preload torch,deepspeed,...`` it imports those modules first and then forks each rank from
 itself (``os.fork``; the rank runs the script as ``__main__`` in its own environment): the ranks
 find them imported, where each rank would otherwise import them on cores it shares with the
-others. It forks only while it has a single thread (a forked child would find another thread's
+others. What the imports made is frozen first (``gc.freeze``): no rank's collection walks it
+again, nor touches (and so copies) the memory it shares with the others. It forks only while it has a single thread (a forked child would find another thread's
 locks held for good), and starts new processes otherwise.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import importlib
 import os
 import runpy
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[_Rank] = []
     try:
         fork = bool(args.preload) and _preload([m for m in args.preload.split(",") if m])
+        if fork:  # what the imports made, out of the collector's sight: no rank's collection touches (copies) it
+            gc.freeze()
         for rank in range(args.nproc):
             env = rank_env(dict(os.environ), rank=rank, nproc=args.nproc, port=args.port)
             if not fork:
