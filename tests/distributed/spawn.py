@@ -21,8 +21,9 @@ Its own code imports nothing beyond the standard library, so it starts in millis
 itself (``os.fork``; the rank runs the script as ``__main__`` in its own environment): the ranks
 find them imported, where each rank would otherwise import them on cores it shares with the
 others. What the imports made is frozen first (``gc.freeze``): no rank's collection walks it
-again, nor touches (and so copies) the memory it shares with the others. It forks only while it has a single thread (a forked child would find another thread's
-locks held for good), and starts new processes otherwise.
+again, nor touches (and so copies) the memory it shares with the others. It forks only while it
+has a single thread (a forked child would find another thread's locks held for good), and starts
+new processes otherwise.
 """
 
 from __future__ import annotations
