@@ -128,7 +128,7 @@ def best_rounds(cases: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[
 def as_lowered(sched: Schedule) -> Schedule:
     """The schedule with each rank's actions in the order the engine really runs them.
 
-    The orders come from the engine's own lowering (``lowering._plan``, what ``lower``
+    The orders come from the engine's own lowering (``lowering.lowered_orders``, what ``lower``
     turns into instructions): it fuses a B directly followed by its own W into one BW pass,
     but not when B's input gradient goes to another rank, so those B's stay split and their
     gradient is sent before W. Re-deriving the fusion here (as this column once did, fusing
@@ -136,9 +136,9 @@ def as_lowered(sched: Schedule) -> Schedule:
     """
     from dataclasses import replace
 
-    from ds_vshape.schedules.lowering import _plan
+    from ds_vshape.schedules.lowering import lowered_orders
 
-    return replace(sched, ranks=tuple(_plan(sched, True)[1]))
+    return replace(sched, ranks=lowered_orders(sched))
 
 
 def calibrated_makespan(sched: Schedule, passes: dict[str, float], ranks: list[dict[str, Any]], lat: dict[str, float]) -> float:

@@ -46,7 +46,7 @@ from .p2p_order import Pair, group_crossing, pair_orders, place_posts
 __all__ = [
     "OpKind", "Op", "lower", "merge_backward", "add_communication", "add_data_loading",
     "assign_buffers", "first_sends", "mark_shape_headers", "add_stage_reduces", "add_param_gathers", "add_step_tail", "format_ops", "programs",
-    "forward_only",
+    "forward_only", "lowered_orders",
 ]
 
 
@@ -253,6 +253,12 @@ def forward_only(schedule: Schedule, micro_batches: int) -> Schedule:
         for r in range(schedule.stages)
     )
     return Schedule("forward", schedule.stages, micro_batches, schedule.chunks_per_rank, 1, schedule.stage_to_rank, ranks)
+
+
+def lowered_orders(schedule: Schedule, *, train: bool = True) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the passes in the order ``lower`` turns into instructions (a B directly followed by its
+    own W fused into one BW, except where B's input gradient goes to another rank)."""
+    return _plan(schedule, train)[0]
 
 
 @lru_cache(maxsize=32)
