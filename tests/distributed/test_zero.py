@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ALL_RULES, launch, stricter_rules
+from .launch import ALL_RULES, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -81,18 +81,15 @@ def test_zero_matches_reference_under_nccl_rules(results_nccl: dict, case: str) 
 
 @pytest.mark.parametrize("which", ["results", "results_nccl"])
 def test_zero3_gathers_reach_the_emulated_device_synchronize(which: str, request: pytest.FixtureRequest) -> None:
-    # The synchronize rule was exercised: DeepSpeed's ZeRO-3 gathers called it on every rank
-    # (the CPU accelerator would skip it), each time waiting for every entry the rank had
-    # outstanding (results, eager init and no other rule: pair communicators, where some met
-    # posted receives and waited; with every rule, lazy or eager, none was outstanding at a gather
-    # in the runs so far, so only the calls are checked), and the cases still trained exactly
-    # (the parity tests).
+    # The synchronize rule was exercised: DeepSpeed's ZeRO-3 gathers called it on every rank (the
+    # CPU accelerator would skip it), and the cases still trained exactly (the parity tests).
+    # Whether a gather finds a receive still posted depends on how the ranks interleave, so this
+    # test does not ask for one: test_nccl_mode's synchronize-waits check posts a receive whose
+    # send comes only after the synchronize, and proves the rule waits for it.
     results = request.getfixturevalue(which)
     for case in (c for c in NCCL_CASES if c.startswith("zero3")):
         counts = [r["synchronizes"] for r in results[case]]
         assert all(calls > 0 for calls, _ in counts), (case, counts)
-        if which == "results" and not stricter_rules():  # eager, pair communicators: some met posted receives
-            assert any(waited > 0 for _, waited in counts), (case, counts)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _cases() if c["name"].startswith(("zero2-", "zero3-"))])
