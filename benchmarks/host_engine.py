@@ -57,7 +57,7 @@ from benchmarks.common import append_jsonl, cpu_model, git_commit  # noqa: E402
 from benchmarks.report_host_engine import PASSES, write_report  # noqa: E402
 from recipes.train_hf import build_module  # noqa: E402
 
-__all__ = ["SCHEDULES", "HandlerClock", "build", "main", "stage_layers"]
+__all__ = ["SCHEDULES", "GcClock", "HandlerClock", "build", "main", "stage_layers"]
 
 SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h2", "v-zb", "v-half", "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
@@ -153,12 +153,42 @@ class HandlerClock:
         return {key: list(value) for key, value in self.stages.items()}
 
 
+class GcClock:
+    """Python's collections during a step, per generation: how many and the seconds they took
+    (``gc.callbacks``). A collection of the oldest generation walks every tracked object the
+    process holds: torch's, DeepSpeed's and transformers' module objects included."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collected = 0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.count, self.seconds, self.collected = [0, 0, 0], [0.0, 0.0, 0.0], 0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.collected += info["collected"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"count": list(self.count), "seconds": list(self.seconds), "collected": self.collected}
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class Runner:
     """One schedule's engine, clock and data stream, stepped one step at a time (engines take turns)."""
 
-    def __init__(self, schedule: str, args: argparse.Namespace, p: int) -> None:
+    def __init__(self, schedule: str, args: argparse.Namespace, p: int, collector: GcClock) -> None:
         self.schedule = schedule
-        self.clock = HandlerClock()
+        self.clock, self.collector = HandlerClock(), collector
         self.engine, self.tokens = build(schedule, args.seq_len, p)
         self.clock.instrument(self.engine)
         train_ids, _ = load_tokens(DEFAULT_DATA, ByteTokenizer())
@@ -169,16 +199,19 @@ class Runner:
         """One training step between two barriers; every rank calls it."""
         self.clock.reset()
         dist.barrier()
+        self.collector.reset()
         switches = _switches()
         wall, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
         loss = float(self.engine.train_batch(self.data).item())
         local, cpu, proc = time.perf_counter() - wall, time.thread_time() - cpu, time.process_time() - proc
         blocked, preempted = (after - before for after, before in zip(_switches(), switches))
+        collections = self.collector.snapshot()
         dist.barrier()
         if timed:
             self.steps.append({"step_s": time.perf_counter() - wall, "local_s": local, "cpu_s": cpu, "process_cpu_s": proc,
                                "blocked": blocked, "preempted": preempted, "loss": loss, "load1": _load1(),
-                               "handlers": self.clock.snapshot(), "stage_passes": self.clock.stage_snapshot()})
+                               "handlers": self.clock.snapshot(), "stage_passes": self.clock.stage_snapshot(),
+                               "gc": collections})
 
 
 def _switches() -> tuple[int, int]:
@@ -201,6 +234,7 @@ def _load1() -> float | None:
 # ---- run ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    collector = GcClock()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -212,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "cpu": _cpu_model(), "load_before": _loadavg(), "versions": _versions(),
                                 "commit": git_commit(" (with uncommitted changes to ds_vshape)")})
     for round_ in range(args.rounds):
-        runners = [Runner(s, args, p) for s in args.schedules]
+        runners = [Runner(s, args, p, collector) for s in args.schedules]
         for i in range(args.warmup + args.steps):
             for runner in runners:
                 runner.step(timed=i >= args.warmup)

@@ -116,7 +116,17 @@ def rank_split(steps: list[dict[str, Any]]) -> dict[str, float]:
         "local": 1e3 * _med(s["local_s"] for s in steps),
         "blocked": _med(s.get("blocked", float("nan")) for s in steps),
         "preempted": _med(s.get("preempted", float("nan")) for s in steps),
+        **_collector(steps),
     }
+
+
+def _collector(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Python's collector per step, as means (a collection comes every few steps, so medians read 0):
+    its ms, and its collections of the oldest generation (each walks every object the process holds)."""
+    runs = [s["gc"] for s in steps if s.get("gc")]
+    if not runs:  # raw lines from before the benchmark recorded it
+        return {"gc_ms": float("nan"), "gc_full": float("nan")}
+    return {"gc_ms": 1e3 * sum(sum(g["seconds"]) for g in runs) / len(runs), "gc_full": sum(g["count"][2] for g in runs) / len(runs)}
 
 
 def whole_steps(steps: dict[str, list[list[dict[str, Any]]]], tokens: dict[str, int]) -> list[dict[str, Any]]:
@@ -146,14 +156,17 @@ def render(path: Path) -> str:
     out += ["", "Where each rank's CPU went (ms per step, medians): passes (F, B, W, fused BW), transfers (post, send, receive),",
             "other instructions (load, reduces, optimizer step), and the engine's own work outside any instruction; then the",
             "rank's own step (wall) and how often per step its main thread blocked (waited for a peer or a lock) or was",
-            "preempted: after each block the thread must be scheduled again, which on a busy machine costs more than the work.", "",
-            "| schedule | rank | CPU | passes | transfers | other | outside | rank's step (wall) | blocked | preempted |",
-            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+            "preempted: after each block the thread must be scheduled again, which on a busy machine costs more than the work.",
+            "Last, Python's collector (means per step): its ms, and its full collections (each walks every object the process",
+            "holds, the imported libraries' included).", "",
+            "| schedule | rank | CPU | passes | transfers | other | outside | rank's step (wall) | blocked | preempted | collector (ms) | full collections |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for schedule, ranks in steps.items():
         for i, r in enumerate(ranks):
             s = rank_split(r)
             out.append(f"| {schedule} | {i} | {s['cpu']:.1f} | {s['passes']:.1f} | {s['transfers']:.1f} | {s['other']:.1f} "
-                       f"| {s['outside']:.1f} | {s['local']:.1f} | {s['blocked']:.0f} | {s['preempted']:.0f} |")
+                       f"| {s['outside']:.1f} | {s['local']:.1f} | {s['blocked']:.0f} | {s['preempted']:.0f} | {s['gc_ms']:.2f} "
+                       f"| {s['gc_full']:.2f} |")
     return "\n".join(out + [""] + _per_instruction(steps) + [""] + _per_stage_table(steps, layers=layers))
 
 

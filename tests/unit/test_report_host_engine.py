@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 from typing import Any
 
 from transformers import LlamaConfig
 
-from benchmarks.host_engine import HandlerClock, stage_layers
-from benchmarks.report_host_engine import _per_stage_table, per_stage
+from benchmarks.host_engine import GcClock, HandlerClock, stage_layers
+from benchmarks.report_host_engine import _collector, _per_stage_table, per_stage
 from ds_vshape.hf import pipeline_layers
 
 
@@ -51,3 +52,23 @@ def test_the_clock_counts_passes_by_the_stage_they_name() -> None:
     forward(Engine(), buffer_id=0)  # DeepSpeed's instructions name no stage: the rank's own
     send(Engine(), stage=2)
     assert {k: v[0] for k, v in clock.stage_snapshot().items()} == {"ForwardPass@3": 1, "ForwardPass@1": 1}
+
+
+def test_the_collector_clock_counts_collections_per_generation_and_what_they_found() -> None:
+    clock = GcClock()
+    try:
+        clock.reset()
+        cycle: list[object] = []
+        cycle.append(cycle)  # freed by the collector alone
+        del cycle
+        gc.collect()
+        snap = clock.snapshot()
+        assert snap["count"][2] >= 1 and snap["collected"] >= 1 and snap["seconds"][2] > 0, snap
+        clock.reset()
+        assert clock.snapshot() == {"count": [0, 0, 0], "seconds": [0.0, 0.0, 0.0], "collected": 0}
+    finally:
+        clock.close()
+    steps = [{"gc": {"count": [1, 0, 1], "seconds": [0.001, 0.0, 0.003], "collected": 4}}, {"gc": {"count": [0, 0, 0], "seconds": [0.0] * 3}}]
+    assert _collector(steps) == {"gc_ms": 2.0, "gc_full": 0.5}  # means: one step in two collected
+    got = _collector([{"handlers": {}}])  # raw lines from before the clock
+    assert got["gc_ms"] != got["gc_ms"] and got["gc_full"] != got["gc_full"]  # NaN: rendered as nan, not as 0
