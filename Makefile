@@ -97,10 +97,12 @@ bench-zero: venv
 	$(TEST_ENV) $(BIN)/python -m torch.distributed.run --nproc_per_node 4 --master_port 29533 benchmarks/bench_zero.py
 
 # Host cost where the host is the bottleneck (issue 28): one stage's F, B, W on tiny shapes, one thread, fused against
-# torch's split and ds_vshape's (benchmarks/results/host_stage.md), then the engines at p=2, one core per rank, per
+# torch's split and ds_vshape's (benchmarks/results/host_stage.md), the rotary embedding built per pass against taken
+# from the latest pass (benchmarks/results/rotary_passes.md), then the engines at p=2, one core per rank, per
 # instruction and per step against DeepSpeed's own (benchmarks/results/host_engine.md); a few minutes on 2 idle cores.
 bench-host: venv
 	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python benchmarks/host_stage.py
+	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rotary_passes.py
 	mkdir -p benchmarks/results/raw && rm -f benchmarks/results/raw/host_engine.jsonl
 	$(TEST_ENV) OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --nproc_per_node 2 --master_port 29543 benchmarks/host_engine.py --out benchmarks/results/raw/host_engine.jsonl --md benchmarks/results/host_engine.md
 

@@ -295,6 +295,8 @@ def seq_chunk(state: ChunkKVState, *, start: int, end: int, total: int | None = 
 class _ChunkRuntime(Runtime):
     """Resolves recipe arguments as transformers would with a cache of ``start`` tokens."""
 
+    ROTARY_ACROSS_PASSES = False  # a chunk's positions are start..end: its own rotary output
+
     def __init__(self, active: _Active, *, block: str | None, sdpa: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._active, self._block, self._depth, self._sdpa = active, block, 0, sdpa

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .cache_role import TraceCache, call_with_cache
-from .pass_memo import Memo, history_free
+from .pass_memo import Memo, history_free, rotary_across_passes
 
 __all__ = [
     "Arg",
@@ -90,10 +90,23 @@ class RopeRef:
     path: str
     recipe: Recipe
 
+    @functools.cached_property
+    def positions_only(self) -> bool:
+        """Whether the call reads nothing but positions, constants and the hidden states (whose shape,
+        dtype and device a history-free rotary module reads, never their values)."""
+        return all(arg.kind in _SHAPE_KINDS for arg in (*self.recipe.positional, *self.recipe.keyword))
+
+
+_SHAPE_KINDS = frozenset({Kind.CONST, Kind.HIDDEN, Kind.INPUT_IDS, Kind.POSITIONS, Kind.CACHE_POSITIONS, Kind.CACHE})
+
 
 class Runtime:
     """Resolves recipe arguments for one forward call of one pipeline layer (with ``memo``, sharing the
-    rotary and mask outputs with the other layers of the pass that hold the same memo)."""
+    rotary and mask outputs with the other layers of the pass that hold the same memo, and the rotary
+    output with later passes: ``pass_memo.rotary_across_passes``)."""
+
+    # Positions are 0..s-1 in every pass here; a runtime that resolves other positions says False.
+    ROTARY_ACROSS_PASSES = True
 
     def __init__(
         self,
@@ -137,8 +150,13 @@ class Runtime:
             rope = self._ropes[ref.path]
             # A rotary module whose buffers follow the lengths it has seen (HF's "dynamic" types) keeps its
             # own output: each block's copy must see every pass, or a block re-run in backward would differ.
-            memo = self._memo if history_free(rope) else self._own
-            return self._once(ref, lambda: self.call(rope, ref.recipe), memo=memo)
+            if not history_free(rope):
+                return self._once(ref, lambda: self.call(rope, ref.recipe), memo=self._own)
+            reference = self._hidden if self._hidden is not None else self._input_ids
+            if self._memo is self._own or not self.ROTARY_ACROSS_PASSES or reference is None or not ref.positions_only:
+                return self._once(ref, lambda: self.call(rope, ref.recipe))
+            # The same positions in every pass (0..s-1): the latest pass's output serves this one.
+            return self._once(ref, lambda: rotary_across_passes(ref, rope, reference, lambda: self.call(rope, ref.recipe)))
         mask: MaskRecipe = arg.value
         return self._once(mask, lambda: self._build_mask(mask))
 

@@ -490,6 +490,113 @@ def test_blocks_of_one_pass_build_rotary_and_masks_once(arch: str, monkeypatch: 
     assert torch.equal(shared[0], per_block[0]) and all(torch.equal(a, b) for a, b in zip(shared[1], per_block[1]))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_later_passes_take_the_rotary_output_of_the_latest_pass(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A V or interleaved schedule runs a rank's blocks in more passes, each on positions 0..s-1: the rotary
+    # module runs in the first pass only, with the same logits and gradients as running it in every pass.
+    model = make_model(arch)
+    specs, _ = hf.pipeline_layers(model)
+    stage = Sequential(specs)
+    rope_cls, calls = type(model.model.rotary_emb), []
+    forward = rope_cls.forward
+
+    @functools.wraps(forward)
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(rope_cls, "forward", counting)
+    input_ids, _ = make_batch(1)
+
+    def logits_and_grads(ids: torch.Tensor = input_ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits = stage(ids)
+        grads = torch.autograd.grad(logits.square().sum(), [p for p in stage.parameters() if p.requires_grad])
+        return logits.detach(), list(grads)
+
+    shared = logits_and_grads()
+    assert len(calls) == 1
+    again = logits_and_grads()
+    assert len(calls) == 1  # a new pass (a new key mask), the same positions
+    logits_and_grads(make_batch(2, seq=7)[0])
+    assert len(calls) == 2  # other positions: built again
+    monkeypatch.setattr(hf_tracing.Runtime, "ROTARY_ACROSS_PASSES", False)  # every pass builds its own
+    per_pass = logits_and_grads()
+    assert len(calls) == 3
+    for got in (again, per_pass):
+        assert torch.equal(shared[0], got[0]) and all(torch.equal(a, b) for a, b in zip(shared[1], got[1]))
+
+
+def test_the_rotary_passes_benchmark_times_both_ways_and_restores_the_sharing(tmp_path: Path) -> None:
+    """``benchmarks/rotary_passes.py`` (``make bench-host``), a few reps: a row per stage size, both ways."""
+    from benchmarks import rotary_passes
+
+    out = tmp_path / "rotary_passes.md"
+    assert rotary_passes.main(["--blocks", "1", "2", "--seq-len", "8", "--reps", "3", "--warmup", "1", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(line.count("|") == 6 for line in rows)
+    assert hf_tracing.Runtime.ROTARY_ACROSS_PASSES is True
+
+
+class _BufferRope(nn.Module):
+    rope_type = "default"
+
+    def __init__(self, *, trainable: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.tensor([1.0, 0.5]), persistent=False)
+        self.scale = nn.Parameter(torch.ones(())) if trainable else None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        angles = position_ids[..., None].float() * self.inv_freq
+        if self.scale is not None:
+            angles = angles * self.scale
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def test_the_rotary_output_is_built_again_when_what_it_was_built_from_changes() -> None:
+    rope, recipe, hidden = _BufferRope(), object(), torch.zeros(2, 5, 4)
+
+    def get(reference: torch.Tensor = hidden, module: nn.Module = rope, key: object = recipe) -> Any:
+        return hf_pass_memo.rotary_across_passes(key, module, reference, lambda: module(reference, torch.arange(reference.shape[1])[None]))
+
+    first = get()
+    assert get() is first and rope.calls == 1
+
+    def built_again(change: Callable[[], Any], module: _BufferRope = rope) -> None:
+        calls = module.calls
+        out = change()
+        assert module.calls == calls + 1, change
+        assert change() is out and module.calls == calls + 1  # and kept for the next pass alike
+
+    built_again(lambda: get(hidden.double()))  # dtype
+    built_again(lambda: get(torch.zeros(2, 6, 4)))  # positions 0..5
+    with torch.no_grad():
+        built_again(get)  # grad mode
+    out = get()  # grad mode again: built (the latest entry held the no-grad pass's)
+    out[0].add_(1.0)  # a consumer wrote it in place: not handed on
+    calls, fresh = rope.calls, get()
+    assert fresh is not out and rope.calls == calls + 1
+    assert torch.equal(fresh[0], _BufferRope()(hidden, torch.arange(5)[None])[0])
+    rope.inv_freq.mul_(2.0)  # its buffer changed
+    assert get() is not fresh and rope.calls == calls + 2 and get() is get()
+    other = _BufferRope()  # another module (another model) on the same recipe
+    built_again(lambda: get(module=other), other)
+    # Passes of two stages take turns (a V placement), each block holding its copy: each keeps its own.
+    calls, other_calls = rope.calls, other.calls
+    mine, theirs = get(), get(module=other)
+    assert get() is mine and get(module=other) is theirs and get() is mine
+    assert (rope.calls, other.calls) == (calls, other_calls)
+    trainable = _BufferRope(trainable=True)  # an output that records history is never shared: its graph is its pass's
+    get(module=trainable, key=object())
+    with torch.inference_mode():  # nor an inference tensor, which a training pass could not save
+        inference = _BufferRope()
+        key = object()
+        get(module=inference, key=key)
+        get(module=inference, key=key)
+    assert trainable.calls == 1 and inference.calls == 2
+
+
 def test_pass_memo_keeps_the_latest_pass_only() -> None:
     key_mask, hidden = torch.ones(2, 5, dtype=torch.long), torch.zeros(2, 5, 8)
     memo = hf_pass_memo.pass_memo(key_mask, hidden)
