@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,14 +77,25 @@ def history_free(rope: nn.Module) -> bool:
     return kind is not None and all(isinstance(k, str) and "dynamic" not in k for k in kinds)
 
 
+@dataclass(frozen=True, eq=False)
+class _Kept:
+    """The latest rotary output of one module: the recipe and everything else it was built from, the
+    output, and its tensors' versions and storages when built."""
+
+    recipe: object
+    tensors: tuple[torch.Tensor, ...]  # the module's buffers and parameters: the same objects, not rebound
+    where: Hashable
+    out: Any
+    state: tuple[tuple[int, int, int], ...]
+
+
 class _Rotary(threading.local):
-    """Per rotary module (weakly: the entries go with it; each block holds a copy of its own, and the
-    first block of a pass builds the pass's output) and recipe (its id): the recipe, what the output was
-    built from, the output, and its tensors' versions when built."""
+    """Per rotary module (weakly: its entry goes with it), the latest output it built. A model built
+    from a configuration or a checkpoint gives each block a copy of its own (the first block of a
+    pass builds the pass's output); one passed as an instance shares its module among its blocks."""
 
     def __init__(self) -> None:
-        self.entries: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[object, Hashable, Any, tuple[int, ...]]]] = \
-            weakref.WeakKeyDictionary()
+        self.kept: weakref.WeakKeyDictionary[nn.Module, _Kept] = weakref.WeakKeyDictionary()
 
 
 _ROTARY = _Rotary()
@@ -91,35 +103,45 @@ _ROTARY = _Rotary()
 
 def rotary_across_passes(recipe: object, rope: nn.Module, reference: torch.Tensor, build: Callable[[], Any]) -> Any:
     """``build()``: the rotary output of positions 0..s-1 for ``reference`` (the hidden states or token ids),
-    the same object as the latest pass's on this module and recipe when nothing it was built from changed
-    (the module's buffers' storage, version and dtype, its scaling, the reference's shape, dtype and device,
-    grad and autocast modes) and none of its tensors was written in place since. Only for history-free
-    rotary modules (``history_free``), whose output depends on nothing else; an output with a tensor that
-    records history or is an inference tensor is never kept (another pass must not share its graph, and a
-    training pass could not save it)."""
-    tensors = [b for b in rope._buffers.values() if b is not None]
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or any(b.is_inference() for b in tensors):
-        return build()  # an inference tensor has no version to tell a buffer written in place
-    where = (tuple((b.data_ptr(), b._version, b.dtype) for b in tensors), getattr(rope, "attention_scaling", None),
-             reference.shape, reference.dtype, reference.device, torch.is_grad_enabled(), torch._C._is_any_autocast_enabled())
-    kept = _ROTARY.entries.get(rope)
-    entry = kept.get(id(recipe)) if kept is not None else None
-    if entry is not None and entry[0] is recipe and entry[1] == where and _versions(entry[2]) == entry[3]:
-        return entry[2]
+    the same object as the latest pass's on this module when nothing it was built from changed (the recipe,
+    the module's buffers and parameters: the same tensors at the same versions; its scaling; the reference's
+    shape, dtype and device; autocast) and none of its tensors was written in place or freed since. Only for
+    history-free rotary modules (``history_free``), whose output depends on nothing else; an output with a
+    tensor that records history or is an inference tensor is never kept (another pass must not share its
+    graph, and a training pass could not save it)."""
+    tensors = (*rope.buffers(), *rope.parameters())
+    if _unshareable(tensors):
+        return build()
+    device = reference.device.type
+    autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+    where = (getattr(rope, "attention_scaling", None), reference.shape, reference.dtype, reference.device, autocast,
+             tuple(t._version for t in tensors))
+    kept = _ROTARY.kept.get(rope)
+    if kept is not None and kept.recipe is recipe and kept.where == where and len(kept.tensors) == len(tensors) \
+            and all(a is b for a, b in zip(kept.tensors, tensors)) and _state(kept.out) == kept.state:
+        return kept.out
     out = build()
-    versions = _versions(out)
-    if kept is None:
-        kept = _ROTARY.entries[rope] = {}
-    if versions is not None:
-        kept[id(recipe)] = (recipe, where, out, versions)
+    state = _state(out)
+    if state is not None:
+        _ROTARY.kept[rope] = _Kept(recipe, tensors, where, out, state)
     else:
-        kept.pop(id(recipe), None)
+        _ROTARY.kept.pop(rope, None)
     return out
 
 
-def _versions(out: Any) -> tuple[int, ...] | None:
-    """The version of each tensor of a (cos, sin) pair or a tensor; None where it may not be shared."""
+def _unshareable(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Where nothing is kept: under compilation, tracing or CUDA graph capture (a graph would hold the
+    address of a tensor a later entry lets go of), and for inference tensors (no version to tell a
+    tensor written in place)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or any(t.is_inference() for t in tensors):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _state(out: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """Each tensor of a (cos, sin) pair or a tensor: its version, storage address and size (a storage
+    freed in place, as an offload does, keeps its version); None where it may not be shared."""
     tensors = out if isinstance(out, (tuple, list)) else (out,)
     if not all(type(t) is torch.Tensor and not t.requires_grad and not t.is_inference() for t in tensors):
         return None
-    return tuple(t._version for t in tensors)
+    return tuple((t._version, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors)

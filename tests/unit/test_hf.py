@@ -562,39 +562,53 @@ def test_the_rotary_output_is_built_again_when_what_it_was_built_from_changes() 
 
     first = get()
     assert get() is first and rope.calls == 1
+    with torch.no_grad():  # a reentrant checkpoint's forward: the same positions, the same output
+        assert get() is first and rope.calls == 1
 
-    def built_again(change: Callable[[], Any], module: _BufferRope = rope) -> None:
+    def built_again(change: Callable[[], Any], module: _BufferRope = rope) -> Any:
         calls = module.calls
         out = change()
         assert module.calls == calls + 1, change
         assert change() is out and module.calls == calls + 1  # and kept for the next pass alike
+        return out
 
-    built_again(lambda: get(hidden.double()))  # dtype
+    built_again(lambda: get(hidden.double()))  # the reference's dtype
     built_again(lambda: get(torch.zeros(2, 6, 4)))  # positions 0..5
-    with torch.no_grad():
-        built_again(get)  # grad mode
-    out = get()  # grad mode again: built (the latest entry held the no-grad pass's)
+    out = built_again(get)  # back to the first shape: built again (a module keeps its latest output only)
     out[0].add_(1.0)  # a consumer wrote it in place: not handed on
-    calls, fresh = rope.calls, get()
-    assert fresh is not out and rope.calls == calls + 1
+    fresh = built_again(get)
     assert torch.equal(fresh[0], _BufferRope()(hidden, torch.arange(5)[None])[0])
-    rope.inv_freq.mul_(2.0)  # its buffer changed
-    assert get() is not fresh and rope.calls == calls + 2 and get() is get()
-    other = _BufferRope()  # another module (another model) on the same recipe
+    fresh[1].untyped_storage().resize_(0)  # freed in place (as an offload frees what it moved): its version stays
+    built_again(get)
+    rope.inv_freq.mul_(2.0)  # its buffer written in place
+    built_again(get)
+    rope.double()  # its buffer replaced (another dtype)
+    built_again(get)
+    rope.attention_scaling = 2.0
+    built_again(get)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        built_again(get)
+    another = object()
+    built_again(lambda: get(key=another))  # another recipe on the module
+    other = _BufferRope()  # another module (another model)
     built_again(lambda: get(module=other), other)
     # Passes of two stages take turns (a V placement), each block holding its copy: each keeps its own.
+    mine = get()  # (built: the module's latest was another recipe's)
     calls, other_calls = rope.calls, other.calls
-    mine, theirs = get(), get(module=other)
+    theirs = get(module=other)
     assert get() is mine and get(module=other) is theirs and get() is mine
     assert (rope.calls, other.calls) == (calls, other_calls)
     trainable = _BufferRope(trainable=True)  # an output that records history is never shared: its graph is its pass's
-    get(module=trainable, key=object())
-    with torch.inference_mode():  # nor an inference tensor, which a training pass could not save
-        inference = _BufferRope()
-        key = object()
-        get(module=inference, key=key)
-        get(module=inference, key=key)
-    assert trainable.calls == 1 and inference.calls == 2
+    get(module=trainable)
+    get(module=trainable)
+    plain = _BufferRope()
+    with torch.inference_mode():  # nor an inference tensor (a training pass could not save it)
+        get(module=plain)
+        get(module=plain)
+        inference = _BufferRope()  # nor anything from a module whose buffers have no version
+        get(module=inference)
+        get(module=inference)
+    assert (trainable.calls, plain.calls, inference.calls) == (2, 2, 2)
 
 
 def test_pass_memo_keeps_the_latest_pass_only() -> None:
