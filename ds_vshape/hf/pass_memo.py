@@ -13,7 +13,7 @@ where activation checkpointing frees each block's.
 The rotary output does not depend on the pass at all where the positions are 0..s-1: a schedule
 that splits a rank's layers into more passes (V placement, interleaving) would rebuild it in
 every one, a fixed host cost per pass. ``rotary_across_passes`` keeps the latest one per rotary
-recipe and hands it to the next pass while nothing it was built from has changed.
+module and hands it to the next pass while nothing it was built from has changed.
 """
 
 from __future__ import annotations
