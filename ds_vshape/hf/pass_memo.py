@@ -83,10 +83,10 @@ class _Kept:
     output, and its tensors' versions and storages when built."""
 
     recipe: object
-    tensors: tuple[torch.Tensor, ...]  # the module's buffers and parameters: the same objects, not rebound
+    tensors: tuple[torch.Tensor | None, ...]  # the module's buffers and parameters: the same objects, not rebound
     where: Hashable
     out: Any
-    state: tuple[tuple[int, int, int], ...]
+    state: tuple[tuple[int, int], ...]
 
 
 class _Rotary(threading.local):
@@ -109,13 +109,15 @@ def rotary_across_passes(recipe: object, rope: nn.Module, reference: torch.Tenso
     history-free rotary modules (``history_free``), whose output depends on nothing else; an output with a
     tensor that records history or is an inference tensor is never kept (another pass must not share its
     graph, and a training pass could not save it)."""
-    tensors = (*rope.buffers(), *rope.parameters())
-    if _unshareable(tensors):
+    # Its own tensors only, read off the module's dicts (a recursive walk costs a good share of what the
+    # memo saves): a rotary module with submodules is not shared.
+    tensors = (*rope._buffers.values(), *rope._parameters.values())
+    if rope._modules or _unshareable(tensors, reference):
         return build()
     device = reference.device.type
     autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
     where = (getattr(rope, "attention_scaling", None), reference.shape, reference.dtype, reference.device, autocast,
-             tuple(t._version for t in tensors))
+             tuple(t._version if t is not None else None for t in tensors))
     kept = _ROTARY.kept.get(rope)
     if kept is not None and kept.recipe is recipe and kept.where == where and len(kept.tensors) == len(tensors) \
             and all(a is b for a, b in zip(kept.tensors, tensors)) and _state(kept.out) == kept.state:
@@ -129,19 +131,19 @@ def rotary_across_passes(recipe: object, rope: nn.Module, reference: torch.Tenso
     return out
 
 
-def _unshareable(tensors: tuple[torch.Tensor, ...]) -> bool:
+def _unshareable(tensors: tuple[torch.Tensor | None, ...], reference: torch.Tensor) -> bool:
     """Where nothing is kept: under compilation, tracing or CUDA graph capture (a graph would hold the
     address of a tensor a later entry lets go of), and for inference tensors (no version to tell a
     tensor written in place)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or any(t.is_inference() for t in tensors):
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or any(t is not None and t.is_inference() for t in tensors):
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return reference.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _state(out: Any) -> tuple[tuple[int, int, int], ...] | None:
-    """Each tensor of a (cos, sin) pair or a tensor: its version, storage address and size (a storage
-    freed in place, as an offload does, keeps its version); None where it may not be shared."""
+def _state(out: Any) -> tuple[tuple[int, int], ...] | None:
+    """Each tensor of a (cos, sin) pair or a tensor: its version and data address (a storage freed in
+    place, as an offload does, keeps its version; its address becomes 0); None where it may not be shared."""
     tensors = out if isinstance(out, (tuple, list)) else (out,)
     if not all(type(t) is torch.Tensor and not t.requires_grad and not t.is_inference() for t in tensors):
         return None
-    return tuple((t._version, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors)
+    return tuple((t._version, t.data_ptr()) for t in tensors)

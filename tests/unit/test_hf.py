@@ -601,6 +601,10 @@ def test_the_rotary_output_is_built_again_when_what_it_was_built_from_changes() 
     trainable = _BufferRope(trainable=True)  # an output that records history is never shared: its graph is its pass's
     get(module=trainable)
     get(module=trainable)
+    nested = _BufferRope()
+    nested.inner = nn.Identity()  # nor one of a module with submodules (whose tensors it does not read)
+    get(module=nested)
+    get(module=nested)
     plain = _BufferRope()
     with torch.inference_mode():  # nor an inference tensor (a training pass could not save it)
         get(module=plain)
@@ -608,7 +612,7 @@ def test_the_rotary_output_is_built_again_when_what_it_was_built_from_changes() 
         inference = _BufferRope()  # nor anything from a module whose buffers have no version
         get(module=inference)
         get(module=inference)
-    assert (trainable.calls, plain.calls, inference.calls) == (2, 2, 2)
+    assert (trainable.calls, nested.calls, plain.calls, inference.calls) == (2, 2, 2, 2)
 
 
 def test_pass_memo_keeps_the_latest_pass_only() -> None:
