@@ -59,12 +59,14 @@ from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "GcClock", "HandlerClock", "build", "main", "stage_layers"]
 
-SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h2", "v-zb", "v-half", "seq1f1b")
+SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h1+fused", "zb-h2", "zb-h2+fused", "v-zb", "v-zb+fused", "v-half", "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
 # ``--schedules v-zb+profile``: the schedule with ``partition_method: profile``. A V placement puts
 # the embedding, the LM head and the loss on rank 0; the recipe's parameter-count cut does not
 # see what they cost, a measured one does (README "Measured decisions").
 PROFILE = "+profile"
+# ``--schedules zb-h2+fused``: the schedule with ``fuse_idle_w: true`` (a W that fills no bubble runs fused with its B).
+FUSED = "+fused"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,8 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- engines --------------------------------------------------------------------------------
 def config_of(schedule: str, *, seq_len: int) -> dict[str, Any]:
-    base = schedule.removesuffix(PROFILE)
+    base = schedule.removesuffix(PROFILE).removesuffix(FUSED)
     config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
+    if schedule.endswith(FUSED):
+        config["pipeline"] = {**config["pipeline"], "fuse_idle_w": True}
     if base == "seq1f1b":
         config["pipeline"] = {**config["pipeline"], "seq_chunks": SEQ_CHUNKS}
     if schedule.endswith(PROFILE):

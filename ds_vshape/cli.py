@@ -111,6 +111,10 @@ def _add_schedule_options(parser: argparse.ArgumentParser, *, with_name: bool = 
     parser.add_argument("--seq-chunks", "-k", type=int, metavar="K",
                         help="sequence chunks per micro-batch, for schedules that cut sequences ('list' shows which)")
     parser.add_argument("--memory-limit", type=float, metavar="X", help="activation memory limit in M_B, for schedules that take one")
+    if with_name:
+        parser.add_argument("--fuse-idle-w", action="store_true",
+                            help="run each W that fills no bubble under these costs fused with its B, as the engine "
+                                 "does with pipeline.fuse_idle_w true")
 
 
 def _add_cost_options(parser: argparse.ArgumentParser, *, memory: bool) -> None:
@@ -165,6 +169,7 @@ def _generate(args: argparse.Namespace, costs: Costs) -> Schedule:
         seq_chunks=args.seq_chunks,
         memory_limit=args.memory_limit,
         costs=costs,
+        fuse_idle_w=args.fuse_idle_w,
     )
 
 
@@ -247,6 +252,8 @@ def _simulate_header(schedule: Schedule, costs: Costs, kept: float) -> str:
         f"{schedule.name}: p={schedule.stages} m={schedule.micro_batches} v={schedule.chunks_per_rank} "
         f"k={schedule.seq_chunks}  (costs f={costs.f:g} b={costs.b:g} w={costs.w:g} comm={costs.comm:g}, "
         f"w_memory={costs.w_memory:g}, kept until W={kept:g})"
+        + (f"; {schedule.params['fused_w']} units' W fill no bubble and run fused with their B (--fuse-idle-w)"
+           if schedule.params.get("fused_w") else "")
     )
 
 

@@ -105,6 +105,15 @@ class PipelineConfig(BaseModel):
         "(benchmarks/kept_share.py measures a model's share). Schedules whose bound does not count it (zb-h1, zb-h2, "
         "zb-auto) leave W as it is.",
     )
+    fuse_idle_w: bool = Field(
+        False,
+        description="Split-backward schedules: true runs a W pass that fills no bubble fused with its B, as 1F1B runs a "
+        "backward (that unit's forward runs plain, its backward is one pass), wherever the schedule, simulated with "
+        "equal F, B and W times, ends no later for it; the W passes that fill bubbles stay. "
+        "Fewer passes and less host work, the same or less memory. The weight gradients of a step's micro-batches "
+        "are then summed in another order (rounding differs, as between schedules). false (the default): every W the "
+        "schedule has runs apart. Not with schedule 'auto'. `ds-vshape simulate --fuse-idle-w` shows the fused order.",
+    )
     weight_grads_in_b: tuple[str, ...] = Field(
         (),
         description="Split-backward schedules only (`ds-vshape list` shows 'split backward'): fnmatch patterns "
@@ -135,7 +144,7 @@ class PipelineConfig(BaseModel):
         if self.schedule == "auto":  # what the measuring steps run, within memory_limit
             name, limit = self._measuring_schedule(stages, micro_batches)
         return generate(name, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks, memory_limit=limit,
-                        costs=Costs(w_memory=self.w_memory), check=check)
+                        costs=Costs(w_memory=self.w_memory), check=check, fuse_idle_w=self.fuse_idle_w)
 
     def _measuring_schedule(self, stages: int, micro_batches: int) -> tuple[str, float | None]:
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
@@ -205,6 +214,11 @@ class PipelineConfig(BaseModel):
 
     def _split_options_fit(self) -> None:
         """Split-backward options need a schedule that splits backward (the registry's ``split_backward``)."""
+        if self.fuse_idle_w:
+            # auto times B and W apart before it chooses, and places its choice's W passes by measured times.
+            if self.schedule == "auto" or not get_info(str(self.schedule)).split_backward:
+                raise ValueError(f"pipeline.fuse_idle_w applies only to a named schedule with split backward "
+                                 f"({', '.join(split_backward_names())}), not {self.schedule!r}; remove it or pick one of those")
         if not self.weight_grads_in_b:
             return
         if self.schedule == "auto":  # auto may run any of these: one of them must split

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import fuse_w
 from .costs import Costs
 from .generators import Builtin, builtin_generators
 from .ir import Schedule
@@ -132,12 +133,14 @@ def generate(
     memory_limit: float | None = None,
     costs: Costs | None = None,
     check: bool = True,
+    fuse_idle_w: bool = False,
 ) -> Schedule:
     """Make (and by default validate) the named schedule for p ranks and m micro-batches.
 
     ``check=False`` skips validation for built-in schedules only: a schedule registered from
     outside is always validated, so a wrong one is refused here with the rank, step and rule
-    (``ScheduleError``) rather than deadlocking the engine.
+    (``ScheduleError``) rather than deadlocking the engine. ``fuse_idle_w``: each W that fills no
+    bubble under ``costs`` runs fused with its B (``fuse_w.fuse_idle_w``).
     """
     info = get_info(name)
     v = info.chunks(chunks)
@@ -149,8 +152,10 @@ def generate(
     low = info.min_micro_batches(stages, v, k)
     if micro_batches < low:
         raise ValueError(f"schedule {info.name!r} with p={stages}, v={v}, k={k} needs at least {low} micro-batches, got {micro_batches}")
-    schedule = info.fn(stages, micro_batches, v=v, k=k, memory_limit=memory_limit, costs=costs or Costs())
-    return validate(schedule) if check or not info.builtin else schedule
+    costs = costs or Costs()
+    schedule = info.fn(stages, micro_batches, v=v, k=k, memory_limit=memory_limit, costs=costs)
+    schedule = validate(schedule) if check or not info.builtin else schedule
+    return fuse_w.fuse_idle_w(schedule, costs) if fuse_idle_w else schedule
 
 
 def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from ds_vshape.config import parse_pipeline_config
 from ds_vshape.schedules import Costs, generate, get_info, schedule_names, simulate
+from ds_vshape.schedules.lowering import lowered_orders
 
 from .launch import by_case, launch
 from .worker import WideBlock, kept_fraction
@@ -61,6 +63,10 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
         # Shapes: a new row count each step; a new one each micro-batch with dynamic_shape.
         {"name": "shape-per-step-v-zb", "schedule": "v-zb", "p": 2, "m": 4, "rows": [4] * 4 + [6] * 4},
         {"name": "shape-dynamic-v-half", "schedule": "v-half", "p": 2, "m": 4, "rows": [4, 6, 5], "dynamic": True},
+        # fuse_idle_w: the W passes that fill no bubble run fused with their B (most of zb-h2's at p=2).
+        *({"name": f"fused-{s}", "schedule": s, "p": 2, "m": 8, "bw_trace": True, **extra,
+           "pipeline": {"fuse_idle_w": True, "w_memory": 1.0}}
+          for s, extra in (("zb-h2", {}), ("zb-h1", {"tied": True, "layers": 6}), ("v-zb", {"custom": True}))),
         {"name": "p2p-transfers", "schedule": None, "p": 2, "m": 1, "p2p": True},
         {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
          "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}},
@@ -81,6 +87,8 @@ def _extra_cases_p4() -> list[dict[str, Any]]:
         {"name": "clip-zero0-1f1b", "schedule": "1f1b", "p": 4, "m": 4, "clip": 0.01},
         {"name": "clip-zero1-1f1b", "schedule": "1f1b", "p": 4, "m": 4, "clip": 0.01, "zero": 1},
         {"name": "tied-v-zb-p4", "schedule": "v-zb", "p": 4, "m": 8, "tied": True, "layers": 8},
+        *({"name": f"fused-{s}-p4", "schedule": s, "p": 4, "m": 8, "layers": 8, "bw_trace": True,
+           "pipeline": {"fuse_idle_w": True}} for s in ("zb-h2", "v-zb")),
         *({"name": f"mem-{s}", "schedule": s, **mem} for s in ("1f1b", "v-half", "v-min")),
         *({"name": f"inflight-v-zb-m{m}", "schedule": "v-zb", "p": 4, "m": m, "steps": 1} for m in (8, 32)),
     ]
@@ -136,6 +144,28 @@ def test_weight_gradients_land_at_w_not_at_b(results_p2: dict, case: str) -> Non
         for kind, stage, micro_batch, changed, total, cheap in res["bw_trace"]:
             want = cheap if kind == "B" else total - cheap
             assert total > cheap and changed == want, f"{case} rank {rank}: {kind} of stage {stage} micro-batch {micro_batch} changed {changed}/{total} grads ({cheap} cheap)"
+
+
+@pytest.mark.parametrize(("case", "p"), [("fused-zb-h2", 2), ("fused-zb-h1", 2), ("fused-v-zb", 2), ("fused-zb-h2-p4", 4),
+                                         ("fused-v-zb-p4", 4)])
+def test_fused_idle_w_runs_the_plans_passes_and_matches_the_reference(results_p2: dict, results_p4: dict, case: str, p: int) -> None:
+    """fuse_idle_w: exact against the reference; the engine runs B and W for exactly the units the fused
+    schedule keeps split (fewer than the schedule's own), and those still leave every weight to W."""
+    ranks = (results_p2 if p == 2 else results_p4)[case]
+    _assert_parity(case, ranks)
+    name = case.removeprefix("fused-").removesuffix("-p4")
+    apart, fused = (parse_pipeline_config({"pipeline": {"schedule": name, "fuse_idle_w": fuse}}).make_schedule(p, 8)
+                    for fuse in (False, True))  # what the engine made from the case's config
+    assert fused.params["fused_w"] > 0
+    lowered = lowered_orders(fused)  # the lowering fuses a B right before its own W where no gradient is sent
+    for rank, res in enumerate(ranks):
+        split = {(a.stage, a.micro_batch) for a in lowered[rank] if a.kind.value == "B"}
+        for kind in ("B", "W"):
+            traced = {(stage, mb) for k, stage, mb, *_ in res["bw_trace"] if k == kind}
+            assert traced == split, f"{case} rank {rank}: {kind} ran for {sorted(traced)}, the plan splits {sorted(split)}"
+        for kind, stage, micro_batch, changed, total, cheap in res["bw_trace"]:
+            assert changed == (cheap if kind == "B" else total - cheap), f"{case} rank {rank}: {kind} {stage}/{micro_batch}"
+    assert sum(a.kind.value == "B" for r in fused.ranks for a in r) < sum(a.kind.value == "B" for r in apart.ranks for a in r)
 
 
 def test_transfers_carry_shapes_once_per_step_in_the_pair_order(results_p2: dict) -> None:
