@@ -83,13 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- engines --------------------------------------------------------------------------------
 def config_of(schedule: str, *, seq_len: int) -> dict[str, Any]:
-    base = schedule.removesuffix(PROFILE).removesuffix(FUSED)
+    base = schedule.split("+")[0]
     config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
-    if schedule.endswith(FUSED):
+    if FUSED in schedule:
         config["pipeline"] = {**config["pipeline"], "fuse_idle_w": True}
     if base == "seq1f1b":
         config["pipeline"] = {**config["pipeline"], "seq_chunks": SEQ_CHUNKS}
-    if schedule.endswith(PROFILE):
+    if PROFILE in schedule:
         sample = {"shape": [config["train_micro_batch_size_per_gpu"], seq_len], "dtype": "int64", "high": ByteTokenizer().vocab_size}
         config["pipeline"] = {**config["pipeline"], "partition_method": "profile", "profile_sample": {"inputs": sample}}
     return config

@@ -109,7 +109,8 @@ class PipelineConfig(BaseModel):
         False,
         description="Split-backward schedules: true runs a W pass that fills no bubble fused with its B, as 1F1B runs a "
         "backward (that unit's forward runs plain, its backward is one pass), wherever the schedule, simulated with "
-        "equal F, B and W times, ends no later for it; the W passes that fill bubbles stay. "
+        "equal F, B and W times and with each of them or an end stage 30% off, ends no later for it; the W passes that "
+        "fill bubbles stay. "
         "Fewer passes and less host work, the same or less memory. The weight gradients of a step's micro-batches "
         "are then summed in another order (rounding differs, as between schedules). false (the default): every W the "
         "schedule has runs apart. Not with schedule 'auto'. `ds-vshape simulate --fuse-idle-w` shows the fused order.",
@@ -191,6 +192,7 @@ class PipelineConfig(BaseModel):
             extra += ["post_validation"] if self.post_validation else []
             extra += ["offload"] if self.offload else []
             extra += ["weight_grads_in_b"] if self.weight_grads_in_b else []
+            extra += ["fuse_idle_w"] if self.fuse_idle_w else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self

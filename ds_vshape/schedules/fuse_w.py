@@ -3,14 +3,13 @@
 Split backward exists to move weight-gradient work (W) into the time a rank would otherwise
 wait. A W that runs where its rank never waits buys nothing, and every split unit costs host
 time a fused backward does not: its forward is routed, B and W are two passes, W re-reads what
-B handed over. On a host-bound device (eager transformer blocks at about 1k tokens on an H100)
-that cost is a large share of the pass.
+B handed over. Where the host is the bottleneck (eager transformer blocks at short sequences on a
+GPU) that cost is a large share of the pass.
 
 ``fuse_idle_w`` tries the split units by when their B starts and turns ``B ... W`` of one unit
 into one ``BW`` at B's place wherever the step, simulated, ends no later than the schedule's own
-under every cost profile of ``fusion_profiles`` (the given costs, and real pass times straying
-from them: a fusion judged on equal F, B and W alone lengthened zb-h2's measured step on CPU
-compute), and tries the rest again until none fuses. Each try re-times the timeline from the
+under every cost profile of ``fusion_profiles`` (the given costs, and pass times straying from
+them, as real ones do), and tries the rest again until none fuses. Each try re-times the timeline from the
 change on, only where something moves. A fused unit then runs as 1F1B runs it: a plain forward
 and one fused backward. Memory only goes down (a fused unit frees what W would have kept at
 once). Where trying would cost the front door too long (``_BUDGET``: tight V schedules over many
@@ -32,20 +31,23 @@ __all__ = ["fuse_idle_w", "fusion_profiles"]
 
 _EPS = 1e-9  # simulated times are sums of a few costs: a fusion that delays by less is none
 # Passes re-timed before trying stops: a tight schedule (V-ZB over many micro-batches) moves most of its
-# timeline for every fusion tried and fuses few; this bounds the front door's time (well under a second).
+# timeline for every fusion tried and fuses few; this bounds the front door's time. A trial's copy of
+# the timeline counts as ``_COPY_SHARE`` of its passes.
 _BUDGET = 100_000
-# How far real pass times may stray from the costs (each way, one at a time) with a fusion still ending
-# the step no later.
+_COPY_SHARE = 1 / 64
+# How far pass times may stray from the costs with a fusion still ending the step no later: B either way
+# (the split's B is cheaper than a fused backward's share, a host-bound one dearer), W down and F up (both
+# take time from the bubbles W fills), an end stage up (embedding, LM head, loss).
 _SLACK = 0.3
 
 
-def fuse_idle_w(schedule: Schedule, costs: Costs | None = None) -> Schedule:
+def fuse_idle_w(schedule: Schedule, *, costs: Costs | None = None) -> Schedule:
     """``schedule`` with each W that fills no bubble fused into its B (module doc); the same object
     when nothing fuses. ``params["fused_w"]`` counts the units fused here."""
     costs = costs or Costs()
     if not schedule.uses_split_backward:
         return schedule
-    states = [_Timeline(schedule, c) for c in fusion_profiles(costs, schedule)]
+    states = [_Timeline(schedule, c) for c in fusion_profiles(schedule, costs)]
     fused = 0
     progress = True
     while progress and _left(states) >= 0:  # a fusion can free time for one tried before it: again until none
@@ -70,7 +72,7 @@ def fuse_idle_w(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     return replace(schedule, ranks=ranks, params={**schedule.params, "fused_w": schedule.params.get("fused_w", 0) + fused})
 
 
-def fusion_profiles(costs: Costs, schedule: Schedule) -> list[Costs]:
+def fusion_profiles(schedule: Schedule, costs: Costs) -> list[Costs]:
     """The costs under each of which a fusion must end the step no later than the schedule's own: the
     given ones; B, W and F each ``_SLACK`` off them; the first or the last model stage that much slower
     (the embedding, the LM head and the loss). Real passes never cost what the schedule was made for."""
@@ -125,6 +127,7 @@ class _Timeline:
         del position[w_pass]
         times = dict(self.times)
         del times[w_pass]
+        self.budget -= int(len(times) * _COPY_SHARE) + 1
         return (rows, position, times) if self._settle(rows, position, times, rank, b) else None
 
     def commit(self, rows: list[list[Action]], position: dict[tuple, int], times: dict[tuple, tuple[float, float]]) -> None:
@@ -137,7 +140,10 @@ class _Timeline:
         another order); whether every rank still ends within the schedule's step."""
         marks: dict[int, set[int]] = {reordered: {first}}
         while marks:
-            rank, marked = marks.popitem()
+            # The rank whose first marked pass started earliest: what it waits for has mostly settled, so
+            # a rank is rarely re-timed on inputs that move again (an early refusal only loses a fusion).
+            rank = min(marks, key=lambda r: (times[_pass(rows[r][min(marks[r])])][0], r))
+            marked = marks.pop(rank)
             row, last = rows[rank], len(rows[rank]) if rank == reordered else max(marked)
             at = min(marked)
             clock = times[_pass(row[at - 1])][1] if at else 0.0
@@ -149,9 +155,9 @@ class _Timeline:
                     return False  # a row's passes end in order: this rank would end late
                 old, times[key] = times[key], (start, clock)
                 self.budget -= 1
-                if at >= last and abs(old[0] - start) <= _EPS and abs(old[1] - clock) <= _EPS:
+                if at >= last and old == (start, clock):
                     break  # as before, and nothing after it waits on what moved: the rest of the row stands
-                if abs(old[1] - clock) > _EPS:
+                if old[1] != clock:  # any change moves on (small ones added up would part from simulate's)
                     for waiter in self.waiting[key]:
                         where = position.get(waiter)  # None: a W fused away
                         if where is not None:

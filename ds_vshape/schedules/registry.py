@@ -155,7 +155,7 @@ def generate(
     costs = costs or Costs()
     schedule = info.fn(stages, micro_batches, v=v, k=k, memory_limit=memory_limit, costs=costs)
     schedule = validate(schedule) if check or not info.builtin else schedule
-    return fuse_w.fuse_idle_w(schedule, costs) if fuse_idle_w else schedule
+    return fuse_w.fuse_idle_w(schedule, costs=costs) if fuse_idle_w else schedule
 
 
 def _seq_chunks(info: GeneratorInfo, requested: int | None) -> int:
