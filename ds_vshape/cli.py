@@ -254,6 +254,7 @@ def _simulate_header(schedule: Schedule, costs: Costs, kept: float) -> str:
         f"w_memory={costs.w_memory:g}, kept until W={kept:g})"
         + (f"; {schedule.params['fused_w']} units' W fill no bubble and run fused with their B (--fuse-idle-w)"
            if schedule.params.get("fused_w") else "")
+        + (f"; ordered for these costs: {schedule.params['picked']}" if schedule.params.get("picked") else "")
     )
 
 

@@ -12,11 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .schedules import Costs, Schedule, generate, get_info, split_backward_names
+from .schedules import Costs, Schedule, generate, get_info, schedule_names, split_backward_names
 from .schedules.auto import AUTO_KEYS, SAFE, AutoSettings, check_auto_options, measuring_schedule, on_placement
 from .tuning import ProfileSample
 
-__all__ = ["PipelineConfig", "parse_pipeline_config", "ConfigError"]
+__all__ = ["PassCosts", "PipelineConfig", "parse_pipeline_config", "ConfigError"]
 
 # DeepSpeed 0.19's own pipeline keys: checked by name only, their values are DeepSpeed's business.
 _DEEPSPEED_KEYS = frozenset(
@@ -26,6 +26,20 @@ _DEEPSPEED_KEYS = frozenset(
 
 class ConfigError(ValueError):
     """A config problem, worded as what to change."""
+
+
+class PassCosts(BaseModel):
+    """``pipeline.pass_costs``: how long one model stage's passes take, relative to each other."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    f: float = Field(gt=0, description="Forward of one model stage (any unit, the same for all four: ms, or F = 1).")
+    b: float = Field(gt=0, description="Input-gradient backward (B) of one model stage, in f's unit.")
+    w: float = Field(gt=0, description="Weight-gradient backward (W) of one model stage, in f's unit.")
+    comm: float = Field(0.0, ge=0, description="One hop between pipeline ranks (a stage's output reaching the next), in f's unit.")
+
+    def to_costs(self, *, w_memory: float) -> Costs:
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, w_memory=w_memory)
 
 
 class PipelineConfig(BaseModel):
@@ -109,11 +123,20 @@ class PipelineConfig(BaseModel):
         False,
         description="Split-backward schedules: true runs a W pass that fills no bubble fused with its B, as 1F1B runs a "
         "backward (that unit's forward runs plain, its backward is one pass), wherever the schedule, simulated with "
-        "equal F, B and W times and with each of them or an end stage 30% off, ends no later for it; the W passes that "
+        "pass_costs (equal F, B and W times when absent) and with each of them or an end stage 30% off, ends no later for it; the W passes that "
         "fill bubbles stay. "
         "Fewer passes and less host work, the same or less memory. The weight gradients of a step's micro-batches "
         "are then summed in another order (rounding differs, as between schedules). false (the default): every W the "
         "schedule has runs apart. Not with schedule 'auto'. `ds-vshape simulate --fuse-idle-w` shows the fused order.",
+    )
+    pass_costs: PassCosts | None = Field(
+        None,
+        description="Measured pass times of your model (f, b, w and comm, relative): the schedules that order their "
+        "passes for given costs (`ds-vshape list` shows 'costs': zb-auto and the V schedules) and fuse_idle_w use them "
+        "instead of equal F, B and W and free hops. Where B costs more than F, or W less (host-bound passes), a V "
+        "schedule's slot-model order waits on its peer; with these it takes a greedy order where the simulator finds "
+        "it faster within the same memory bound (`ds-vshape simulate -s v-zb --t-f .. --t-b .. --t-w ..` shows which). "
+        "Not with schedule 'auto', which measures them itself.",
     )
     weight_grads_in_b: tuple[str, ...] = Field(
         (),
@@ -145,7 +168,14 @@ class PipelineConfig(BaseModel):
         if self.schedule == "auto":  # what the measuring steps run, within memory_limit
             name, limit = self._measuring_schedule(stages, micro_batches)
         return generate(name, stages, micro_batches, chunks=self.chunks, seq_chunks=self.seq_chunks, memory_limit=limit,
-                        costs=Costs(w_memory=self.w_memory), check=check, fuse_idle_w=self.fuse_idle_w)
+                        costs=self.costs, check=check, fuse_idle_w=self.fuse_idle_w)
+
+    @property
+    def costs(self) -> Costs:
+        """What the named schedule is generated for: ``pass_costs`` when given, else equal passes."""
+        if self.pass_costs is None:
+            return Costs(w_memory=self.w_memory)
+        return self.pass_costs.to_costs(w_memory=self.w_memory)
 
     def _measuring_schedule(self, stages: int, micro_batches: int) -> tuple[str, float | None]:
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
@@ -193,6 +223,7 @@ class PipelineConfig(BaseModel):
             extra += ["offload"] if self.offload else []
             extra += ["weight_grads_in_b"] if self.weight_grads_in_b else []
             extra += ["fuse_idle_w"] if self.fuse_idle_w else []
+            extra += ["pass_costs"] if self.pass_costs is not None else []
             if extra:
                 raise ValueError(f"pipeline.{extra[0]} is set but pipeline.schedule is not; add \"schedule\": \"<name>\" or drop {extra[0]}")
             return self
@@ -203,6 +234,7 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
                              "give a share from 0 to 1")
         self._split_options_fit()
+        self._pass_costs_fit()
         info = get_info(self.first_schedule)
         info.chunks(self.chunks)  # raises when the schedule fixes its own chunk count
         if self.seq_chunks not in (None, 1) and not info.seq_chunks:
@@ -213,6 +245,18 @@ class PipelineConfig(BaseModel):
         if self.memory_limit is not None and not info.memory_limit and self.schedule != "auto":
             raise ValueError(f"pipeline.memory_limit applies only to v-adaptive and zb-auto, not {self.schedule!r}; remove it")
         return self
+
+    def _pass_costs_fit(self) -> None:
+        """pass_costs needs a reader: a schedule that orders for costs (the registry's ``uses_costs``) or fuse_idle_w."""
+        if self.pass_costs is None:
+            return
+        if self.schedule == "auto":
+            raise ValueError("pipeline.pass_costs does not apply with \"schedule\": \"auto\", which measures the passes "
+                             "itself; remove pass_costs")
+        if not get_info(str(self.schedule)).uses_costs and not self.fuse_idle_w:
+            readers = ", ".join(n for n in schedule_names() if get_info(n).uses_costs)
+            raise ValueError(f"pipeline.pass_costs applies only to the schedules that order for costs ({readers}) or with "
+                             f"pipeline.fuse_idle_w true; {self.schedule!r} ignores them: remove pass_costs or pick one of those")
 
     def _split_options_fit(self) -> None:
         """Split-backward options need a schedule that splits backward (the registry's ``split_backward``)."""

@@ -23,6 +23,9 @@ TOL = 1e-5
 # seq1f1b needs attention-aware chunking (a later issue); everything else runs here.
 RUNTIME_SCHEDULES = [n for n in schedule_names() if n != "seq1f1b"]
 FUSED = {"fuse_idle_w": True, "w_memory": 1.0}  # the fused cases' pipeline keys (the test remakes their schedules)
+# pass_costs under which v-zb takes a greedy order at m=8: cheap W (host-bound passes) at p=2, B = 2F at p=4.
+COSTS = {2: {"w_memory": 1.0, "pass_costs": {"f": 1.0, "b": 1.14, "w": 0.39}},
+         4: {"w_memory": 1.0, "pass_costs": {"f": 1.0, "b": 2.0, "w": 1.0, "comm": 0.05}}}
 
 
 def _min_m(name: str, p: int) -> int:
@@ -67,6 +70,8 @@ def _extra_cases_p2(tmp: Path) -> list[dict[str, Any]]:
         # fuse_idle_w: the W passes that fill no bubble run fused with their B.
         *({"name": f"fused-{s}", "schedule": s, "p": 2, "m": 8, "bw_trace": True, **extra, "pipeline": FUSED}
           for s, extra in (("zb-h2", {}), ("zb-h1", {"tied": True, "layers": 6}), ("v-zb", {"custom": True}))),
+        # pass_costs: v-zb in the greedy order the costs pick (custom autograd Functions in every block).
+        {"name": "costs-v-zb", "schedule": "v-zb", "p": 2, "m": 8, "custom": True, "bw_trace": True, "pipeline": COSTS[2]},
         {"name": "p2p-transfers", "schedule": None, "p": 2, "m": 1, "p2p": True},
         {"name": "save-1f1b-load-v-half", "schedule": "1f1b", "p": 2, "m": 2, "layerspec": True,
          "checkpoint": {"dir": str(tmp / "ckpt"), "load_as": "v-half"}},
@@ -89,6 +94,7 @@ def _extra_cases_p4() -> list[dict[str, Any]]:
         {"name": "tied-v-zb-p4", "schedule": "v-zb", "p": 4, "m": 8, "tied": True, "layers": 8},
         *({"name": f"fused-{s}-p4", "schedule": s, "p": 4, "m": 8, "layers": 8, "bw_trace": True, "pipeline": FUSED}
           for s in ("zb-h2", "v-zb")),
+        {"name": "costs-v-zb-p4", "schedule": "v-zb", "p": 4, "m": 8, "layers": 8, "bw_trace": True, "pipeline": COSTS[4]},
         *({"name": f"mem-{s}", "schedule": s, **mem} for s in ("1f1b", "v-half", "v-min")),
         *({"name": f"inflight-v-zb-m{m}", "schedule": "v-zb", "p": 4, "m": m, "steps": 1} for m in (8, 32)),
     ]
@@ -167,6 +173,25 @@ def test_fused_idle_w_runs_the_plans_passes_and_matches_the_reference(results_p2
             assert changed == (cheap if kind == "B" else total - cheap), f"{case} rank {rank}: {kind} {stage}/{micro_batch}"
     # Fewer split units than the lowering alone leaves: fusions beyond the first stage's.
     assert sum(a.kind.value == "B" for r in lowered for a in r) < sum(a.kind.value == "B" for r in lowered_orders(apart) for a in r)
+
+
+@pytest.mark.parametrize(("case", "p"), [("costs-v-zb", 2), ("costs-v-zb-p4", 4)])
+def test_v_zb_for_pass_costs_runs_its_greedy_order_and_matches_the_reference(results_p2: dict, results_p4: dict, case: str,
+                                                                              p: int) -> None:
+    """pipeline.pass_costs: v-zb runs the order the costs picked (not the block's), B by B as planned, exact."""
+    ranks = (results_p2 if p == 2 else results_p4)[case]
+    _assert_parity(case, ranks)
+    plain, for_costs = (parse_pipeline_config({"pipeline": {"schedule": "v-zb", **keys}}).make_schedule(p, 8)
+                        for keys in ({"w_memory": 1.0}, COSTS[p]))
+    assert for_costs.params["picked"].startswith("v-greedy") and for_costs.ranks != plain.ranks
+    lowered = lowered_orders(for_costs)
+    for rank, res in enumerate(ranks):
+        planned = [(a.stage, a.micro_batch) for a in lowered[rank] if a.kind.value == "B"]
+        traced = [(stage, mb) for k, stage, mb, *_ in res["bw_trace"] if k == "B"]
+        steps = len(traced) // len(planned)  # the trace spans the case's steps
+        assert steps >= 1 and traced == planned * steps, f"{case} rank {rank}: B ran as {traced}, the plan orders {planned}"
+        for kind, stage, micro_batch, changed, total, cheap in res["bw_trace"]:
+            assert changed == (cheap if kind == "B" else total - cheap), f"{case} rank {rank}: {kind} {stage}/{micro_batch}"
 
 
 def test_transfers_carry_shapes_once_per_step_in_the_pair_order(results_p2: dict) -> None:

@@ -38,8 +38,13 @@ periods later so the backward at the V's turn finds its micro-batch's last chunk
 Each unit holds 1/k of a micro-batch, and the budget (in micro-batches) is the unchunked
 one, so the peak in M_B stays within the same bound.
 
-All four work in the slot model (unit pass costs, no communication); of ``costs`` they use
-only ``w_memory``, which decides how early the W passes must run.
+All four are built in the slot model (unit pass costs, no communication), where ``costs.w_memory``
+decides how early the W passes must run. Real passes are not equal: B often costs more than F, W
+far less where the host is the bottleneck, and a slot-model order then waits on its peer (V-ZB can
+idle more than 1F1B). So under ``costs`` with unequal F, B and W, a hop or uneven stages, each
+schedule also tries the greedy orders of ``v_greedy`` within its own memory bound (counted live
+from F to W, so it holds for any share) and runs the one the simulator finds fastest, the block's
+on a tie (``params["picked"]`` names a greedy winner). With sequence chunks the block stays.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ from dataclasses import dataclass
 from ..costs import Costs
 from ..ir import Schedule
 from ..placement import vshape
-from ..simulate import SimResult
+from ..simulate import SimResult, simulate
 from .builtin import builtin
+from .v_greedy import VGreedyPolicy, v_greedy_schedule
 from . import _blocks as blocks
 
 __all__ = [
@@ -60,6 +66,7 @@ __all__ = [
 ]
 
 _SUMMARY = "V placement, split backward; "
+_EPS = 1e-9
 
 
 def span_idle(result: SimResult) -> tuple[float, ...]:
@@ -96,26 +103,54 @@ def _any_m(p: int, v: int, k: int) -> int:
 
 @builtin(
     "v-zb", aliases=("zb-v",), fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
-    summary=_SUMMARY + "zero bubble at peak memory p",
+    uses_costs=True, summary=_SUMMARY + "zero bubble at peak memory p",
 )
 def v_zb(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-zb", p, m, vzb_block(p), 2 * p, _w_memory(costs), seq_chunks=k)
+    return _build("v-zb", p, m, vzb_block(p), 2 * p, costs, seq_chunks=k)
+
+
+def _slot_model(costs: Costs) -> bool:
+    # Equal F, B and W, free hops, even stages: the timing model the blocks are built in; there the
+    # paper's schedule is kept as built (V-ZB's is the least step of any V order at its memory).
+    even = costs.stage_scale is None or len(set(costs.stage_scale)) <= 1
+    return costs.f == costs.b == costs.w and costs.comm == 0 and even
+
+
+def _fastest_for(block: Schedule, costs: Costs, limit: float) -> Schedule:
+    """The block's order, or the greedy order (``v_greedy``) that the simulator finds faster under
+    ``costs`` within the block's bound ``limit`` (M_B, counted live from F to W); the block wins ties."""
+    p, m = block.stages, block.micro_batches
+    best, best_time = block, simulate(block, costs).makespan
+    for policy in VGreedyPolicy.grid():
+        candidate = v_greedy_schedule(p, m, costs=costs, memory_limit=limit, policy=policy)
+        if candidate is None:
+            continue
+        result = simulate(candidate, costs, kept_until_w=1.0)
+        if result.makespan < best_time * (1 - _EPS) and result.max_peak_memory <= limit + _EPS:
+            best, best_time = candidate, result.makespan
+    if best is block:
+        return block
+    peak = simulate(best, costs, kept_until_w=1.0).max_peak_memory
+    params = {**block.params, "picked": best.name, "peak_memory": peak, "peak_memory_until_w": peak}
+    for stale in ("block", "span_idle_slots"):  # the block's, not this order's
+        params.pop(stale, None)
+    return Schedule(block.name, p, m, 2, 1, block.stage_to_rank, best.ranks, params=params)
 
 
 @builtin(
-    "v-half", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
+    "v-half", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True, uses_costs=True,
     summary=_SUMMARY + "about half of 1F1B's bubble and memory",
 )
 def v_half(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), _w_memory(costs), seq_chunks=k)
+    return _build("v-half", p, m, blocks.vhalf_block(p), vhalf_budget(p), costs, seq_chunks=k)
 
 
 @builtin(
-    "v-min", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True,
+    "v-min", fixed_chunks=2, placement="v", split_backward=True, min_micro_batches=_any_m, seq_chunks=True, uses_costs=True,
     summary=_SUMMARY + "a third of 1F1B's memory, about 2/3 of its bubble",
 )
 def v_min(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
-    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p), _w_memory(costs), seq_chunks=k)
+    return _build("v-min", p, m, blocks.vmin_block(p), vmin_budget(p), costs, seq_chunks=k)
 
 
 def _w_memory(costs: Costs | None) -> float:
@@ -123,11 +158,15 @@ def _w_memory(costs: Costs | None) -> float:
 
 
 def _build(
-    name: str, p: int, m: int, block: blocks.Block, budget: int, w_memory: float, *, seq_chunks: int = 1, **params: object
+    name: str, p: int, m: int, block: blocks.Block, budget: int, costs: Costs | None, *, seq_chunks: int = 1,
+    search_limit: float | None = None, **params: object
 ) -> Schedule:
     """Repeat, squeeze and fill W; the budget never goes below what the block itself holds.
-    With ``seq_chunks`` k > 1 this runs on the m k units (module doc)."""
+    With ``seq_chunks`` k > 1 this runs on the m k units (module doc). Under ``costs`` other than the
+    slot model's, a greedy order within ``search_limit`` (M_B, default the budget) replaces the block's where it
+    is faster (whole sequences)."""
     _require_sizes(name, p, m)
+    w_memory = _w_memory(costs)
     if seq_chunks < 1:
         raise ValueError(f"schedule {name!r} needs seq_chunks >= 1, got {seq_chunks}")
     squeezed = _squeeze(p, m, block, budget, w_memory, seq_chunks=seq_chunks)
@@ -140,7 +179,10 @@ def _build(
         "span_idle_slots": max(squeezed.span_idle),
         **params,
     }
-    return Schedule(name, p, m, 2, seq_chunks, vshape(p), squeezed.actions(), params=info)
+    schedule = Schedule(name, p, m, 2, seq_chunks, vshape(p), squeezed.actions(), params=info)
+    if seq_chunks > 1 or costs is None or _slot_model(costs):
+        return schedule
+    return _fastest_for(schedule, costs, budget / 2 if search_limit is None else search_limit)
 
 
 def _require_sizes(name: str, p: int, m: int) -> None:
@@ -185,7 +227,7 @@ class _Candidate:
 
 
 @builtin(
-    "v-adaptive", fixed_chunks=2, placement="v", split_backward=True, memory_limit=True, min_micro_batches=_any_m,
+    "v-adaptive", fixed_chunks=2, placement="v", split_backward=True, memory_limit=True, min_micro_batches=_any_m, uses_costs=True,
     summary=_SUMMARY + "lowest-bubble block within memory_limit (in M_B, default p)",
 )
 def v_adaptive(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | None = None, costs: Costs | None = None) -> Schedule:
@@ -196,7 +238,8 @@ def v_adaptive(p: int, m: int, *, v: int = 2, k: int = 1, memory_limit: float | 
         low = min(c.level for c in _pool(p, m)) / 2
         raise ValueError(f"v-adaptive with p={p}, m={m} needs memory_limit >= {low:g} (in M_B), got {memory_limit}")
     limit = p if memory_limit is None else memory_limit
-    return _build("v-adaptive", p, m, best.block, best.level, w_memory, memory_limit=limit, choice=best.label)
+    return _build("v-adaptive", p, m, best.block, best.level, costs, search_limit=_cap(p, memory_limit) / 2, memory_limit=limit,
+                  choice=best.label)
 
 
 def _cap(p: int, memory_limit: float | None) -> int:

@@ -1,0 +1,150 @@
+"""v-zb for given pass costs: the greedy V orders (``v_greedy``) it weighs against its block, and ``pass_costs``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_vshape.cli import main as cli_main
+from ds_vshape.config import ConfigError, parse_pipeline_config
+from ds_vshape.schedules import Costs, Schedule, generate, simulate, validate
+from ds_vshape.schedules.generators.v_greedy import VGreedyPolicy, v_greedy_schedule
+from ds_vshape.schedules.ir import Kind
+
+# Costs a real stage has: B above F (attention's backward), W far below it (host-bound passes), a hop.
+COSTS = (Costs(f=1, b=1.14, w=0.39), Costs(f=1, b=2, w=1), Costs(f=1, b=1, w=0.5, comm=0.1),
+         Costs(f=1, b=1.5, w=0.7, comm=0.05, stage_scale=(1.3, 1, 1, 0.8)))
+
+
+V_NAMES = ("v-zb", "v-half", "v-min", "v-adaptive")
+BOUND = {"v-zb": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3, "v-adaptive": lambda p: p}
+
+
+def _block(p: int, m: int, name: str = "v-zb") -> Schedule:
+    return generate(name, p, m)  # no costs: the block's order
+
+
+def _strict_peak(schedule: Schedule, costs: Costs) -> float:
+    return simulate(schedule, costs, kept_until_w=1.0).max_peak_memory  # every activation live until its W
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("costs", COSTS[:3], ids=str)
+def test_every_greedy_order_is_valid_complete_and_within_its_memory(p: int, m: int, costs: Costs) -> None:
+    built = 0
+    for policy in VGreedyPolicy.grid():
+        schedule = v_greedy_schedule(p, m, costs=costs, memory_limit=p, policy=policy)
+        if schedule is None:
+            continue
+        built += 1
+        validate(schedule)
+        for rank, actions in enumerate(schedule.ranks):
+            for stage in schedule.stages_of_rank(rank):
+                for kind in (Kind.F, Kind.B, Kind.W):
+                    assert sorted(a.micro_batch for a in actions if a.stage == stage and a.kind is kind) == list(range(m))
+        assert _strict_peak(schedule, costs) <= p + 1e-9, policy
+    assert built > 0
+
+
+def test_a_policy_with_no_room_stalls_and_says_so() -> None:
+    # Half an M_B of room: a first-chunk forward would leave none for the second chunk (reserve 1).
+    assert v_greedy_schedule(2, 4, costs=Costs(), memory_limit=0.5, policy=VGreedyPolicy()) is None
+
+
+@pytest.mark.parametrize("name", V_NAMES)
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 8), (3, 6), (4, 16), (5, 10)])
+def test_slot_model_costs_keep_the_papers_block(name: str, p: int, m: int) -> None:
+    block = _block(p, m, name)
+    for costs in (Costs(f=2, b=2, w=2), Costs(w_memory=0.5), Costs(stage_scale=(1.0,) * 2 * p)):
+        kept = generate(name, p, m, costs=costs)
+        assert kept.ranks == generate(name, p, m, costs=Costs(w_memory=costs.w_memory)).ranks and "picked" not in kept.params
+    assert generate(name, p, m, costs=Costs(f=2, b=2, w=2)).ranks == block.ranks
+
+
+@pytest.mark.parametrize("name", V_NAMES)
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (3, 6), (4, 8), (4, 16), (5, 10)])
+@pytest.mark.parametrize("costs", COSTS[:3], ids=str)
+def test_for_costs_never_slower_than_the_block_and_within_its_bound(name: str, p: int, m: int, costs: Costs) -> None:
+    chosen = generate(name, p, m, costs=costs)
+    assert simulate(chosen, costs).makespan <= simulate(_block(p, m, name), costs).makespan + 1e-9
+    if "picked" in chosen.params:
+        assert chosen.params["picked"].startswith("v-greedy") and chosen.name == name
+        assert _strict_peak(chosen, costs) <= BOUND[name](p) + 1e-9
+        assert chosen.params["peak_memory"] == _strict_peak(chosen, costs)
+        assert "block" not in chosen.params
+    assert generate(name, p, m, costs=costs) == chosen  # deterministic: every rank builds the same order
+
+
+def test_v_adaptive_searches_within_the_users_limit() -> None:
+    costs = COSTS[1]
+    picked = 0
+    for limit in (2.0, 2.5, 3.0):
+        chosen = generate("v-adaptive", 4, 16, memory_limit=limit, costs=costs)
+        if "picked" in chosen.params:
+            picked += 1
+            assert _strict_peak(chosen, costs) <= limit + 1e-9
+        assert simulate(chosen, costs).makespan <= simulate(generate("v-adaptive", 4, 16, memory_limit=limit), costs).makespan + 1e-9
+    assert picked >= 2  # B = 2 F: the blocks of the family idle where a greedy order within the limit does not
+
+
+def test_uneven_stages_are_weighed_too() -> None:
+    costs = COSTS[3]
+    chosen = generate("v-zb", 2, 8, costs=costs)
+    assert chosen.params["picked"].startswith("v-greedy")
+    assert simulate(chosen, costs).makespan < simulate(_block(2, 8), costs).makespan
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("costs", COSTS[:2], ids=str)
+def test_host_bound_and_backward_heavy_costs_get_a_shorter_step_than_the_block_and_1f1b(p: int, m: int, costs: Costs) -> None:
+    """Where the slot model is wrong (W at 0.39 F, or B at 2 F), the block idles more than 1F1B
+    at these sizes; the order for the costs is at least 7% shorter than the block and beats 1F1B."""
+    block = simulate(_block(p, m), costs).makespan
+    chosen = simulate(generate("v-zb", p, m, costs=costs), costs).makespan
+    one_f_one_b = simulate(generate("1f1b", p, m), costs).makespan
+    assert chosen <= 0.93 * block
+    assert chosen < one_f_one_b
+
+
+def test_v_half_with_a_heavy_backward_leaves_its_block_far_behind() -> None:
+    costs = COSTS[1]  # B = 2 F: V-Half's block idles 28% longer than 1F1B at p=4
+    block, chosen = (simulate(s, costs).makespan for s in (_block(4, 16, "v-half"), generate("v-half", 4, 16, costs=costs)))
+    assert chosen <= 0.85 * block and chosen < simulate(generate("1f1b", 4, 16), costs).makespan
+
+
+@pytest.mark.parametrize("name", ["v-zb", "v-half", "v-min"])
+def test_sequence_chunks_keep_the_block(name: str) -> None:
+    assert generate(name, 2, 4, seq_chunks=2, costs=COSTS[0]).ranks == generate(name, 2, 4, seq_chunks=2).ranks
+
+
+def test_pass_costs_reach_the_schedule_and_are_refused_where_nothing_reads_them() -> None:
+    keys = {"f": 1, "b": 1.14, "w": 0.39}
+    cfg = parse_pipeline_config({"pipeline": {"schedule": "v-zb", "pass_costs": keys}})
+    assert cfg.costs == Costs(f=1, b=1.14, w=0.39, w_memory=cfg.w_memory)
+    assert cfg.make_schedule(2, 8) == generate("v-zb", 2, 8, costs=cfg.costs)
+    assert cfg.make_schedule(2, 8).params["picked"].startswith("v-greedy")
+    zb_auto = parse_pipeline_config({"pipeline": {"schedule": "zb-auto", "pass_costs": keys}})
+    assert zb_auto.make_schedule(2, 8) == generate("zb-auto", 2, 8, costs=zb_auto.costs)
+    fused = parse_pipeline_config({"pipeline": {"schedule": "zb-h2", "fuse_idle_w": True, "pass_costs": keys}})
+    assert fused.make_schedule(2, 8) == generate("zb-h2", 2, 8, costs=fused.costs, fuse_idle_w=True)
+    refused = {
+        "1f1b": r"pipeline\.pass_costs applies only to the schedules that order for costs \(zb-auto, v-zb, v-half, v-min, v-adaptive\)",
+        "auto": r"pipeline\.pass_costs does not apply with \"schedule\": \"auto\"",
+        None: r"pipeline\.pass_costs is set but pipeline\.schedule is not",
+    }
+    for schedule, needle in refused.items():
+        with pytest.raises(ConfigError, match=needle):
+            parse_pipeline_config({"pipeline": {"schedule": schedule, "pass_costs": keys}})
+    for bad, needle in (({**keys, "t_w": 1}, r"pipeline\.pass_costs\.t_w"), ({**keys, "b": 0}, r"pipeline\.pass_costs\.b"),
+                        ({"f": 1, "b": 1}, r"pipeline\.pass_costs\.w")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_pipeline_config({"pipeline": {"schedule": "v-zb", "pass_costs": bad}})
+
+
+def test_cli_shows_the_order_for_the_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_main(["export", "-s", "v-zb", "-p", "2", "-m", "8", "--t-b", "1.14", "--t-w", "0.39"])
+    assert Schedule.from_json(capsys.readouterr().out) == generate("v-zb", 2, 8, costs=Costs(b=1.14, w=0.39, w_memory=1.0))
+    cli_main(["simulate", "-s", "v-zb", "-p", "2", "-m", "8", "--t-b", "1.14", "--t-w", "0.39"])
+    assert "; ordered for these costs: v-greedy-" in capsys.readouterr().out.splitlines()[0]
+    cli_main(["simulate", "-s", "v-zb", "-p", "2", "-m", "8"])
+    assert "ordered for these costs" not in capsys.readouterr().out
