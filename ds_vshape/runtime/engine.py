@@ -138,8 +138,10 @@ class VShapeEngine(TransferHandlersMixin, OptimizerStepMixin, ZeroPipelineMixin,
         old = self.schedule
         if plan.schedule.uses_split_backward and not old.uses_split_backward:
             self._enable_split_backward()
-        if plan.schedule.w_memory != old.w_memory:
-            self._fit.undo()  # the new schedule's bound counts another share (or none): fit anew
+        if plan.schedule != old:
+            # Fit anew: the new schedule's bound may count another share, and how much W work B may take is
+            # the schedule's own (fit_limit). A job resumed on auto's choice then fits exactly as it ran.
+            self._fit.undo()
         self._plan = plan
         self._train_ir = self._ir(plan.schedule)
 

@@ -67,6 +67,8 @@ def _runtime(engine: Any) -> dict[str, Any]:
     validator = getattr(engine, "_validator", None)
     return {"auto": None if choice is None else choice.name, "schedule": engine.schedule.name,
             "streak": None if validator is None else validator._streak, "fit": sorted(engine._fit.fitted),
+            # the schedule whose limit on the work moved into B the last fit used: the one running, in both jobs
+            "fit_on_schedule": getattr(engine, "_fit_limit_of", (None,))[0] == engine.schedule,
             "scale": float(engine._get_optimizer_loss_scale()),
             "rng": hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest(), "python_rng": hash(random.getstate())}
 

@@ -157,6 +157,7 @@ def test_a_restarted_job_continues_exactly_as_the_uninterrupted_one(results: dic
         for key in ("auto", "schedule", "streak", "scale", "rng", "python_rng"):
             assert after_load[key] == at_save[key], f"rank {rank}: {key} {after_load[key]!r} loaded, {at_save[key]!r} saved"
         assert res["end"][0] == res["end"][1], f"rank {rank}: at step 4 {res['end'][1]} resumed, {res['end'][0]} without"
+        assert res["end"][0]["fit_on_schedule"], f"rank {rank}: the fit kept the measuring schedule's limit: {res['end']}"
         assert res["skipped"] == [1, 1] and res["end"][0]["scale"] != at_save["scale"], f"rank {rank}: {res}"
 
 

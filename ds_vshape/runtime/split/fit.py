@@ -169,7 +169,7 @@ class WFit:
 
     def undo(self) -> None:
         """Give every weight gradient this fit moved back to W and fit again at each stage's next B
-        (a schedule counting another ``w_memory`` is installed)."""
+        (another schedule is installed: its share and its limit on the work moved may differ)."""
         self._store.compute_in_b(self._moved, in_b=False)
         self._moved.clear()
         self._early.clear()
