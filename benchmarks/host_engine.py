@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
 import deepspeed  # noqa: E402
 
 import ds_vshape  # noqa: E402
+from ds_vshape.schedules import get_info  # noqa: E402
 from recipes.cores import this_rank  # noqa: E402
 from recipes.corpus import DEFAULT_DATA, ByteTokenizer, batches, load_tokens  # noqa: E402
 from benchmarks.common import append_jsonl, cpu_model, git_commit  # noqa: E402
@@ -59,7 +60,8 @@ from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "GcClock", "HandlerClock", "build", "main", "stage_layers"]
 
-SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h1+fused", "zb-h2", "zb-h2+fused", "v-zb", "v-zb+fused", "v-half", "seq1f1b")
+SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h1+fused", "zb-h2", "zb-h2+fused", "v-zb", "v-zb+fused", "v-zb+auto", "v-half",
+             "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
 # ``--schedules v-zb+profile``: the schedule with ``partition_method: profile``. A V placement puts
 # the embedding, the LM head and the loss on rank 0; the recipe's parameter-count cut does not
@@ -67,6 +69,9 @@ SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
 PROFILE = "+profile"
 # ``--schedules zb-h2+fused``: the schedule with ``fuse_idle_w: true`` (a W that fills no bubble runs fused with its B).
 FUSED = "+fused"
+# ``--schedules v-zb+auto``: ``"schedule": "auto"`` with that schedule its only candidate: the first round's untimed
+# steps measure F, B and W, then it runs the schedule generated for the measured costs (v-zb orders for them).
+AUTO = "+auto"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,6 +92,9 @@ def config_of(schedule: str, *, seq_len: int) -> dict[str, Any]:
     config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
     if FUSED in schedule:
         config["pipeline"] = {**config["pipeline"], "fuse_idle_w": True}
+    if AUTO in schedule:
+        config["pipeline"] = {**config["pipeline"], "schedule": "auto", "auto_candidates": [base],
+                              "auto_placement": get_info(base).placement}
     if base == "seq1f1b":
         config["pipeline"] = {**config["pipeline"], "seq_chunks": SEQ_CHUNKS}
     if PROFILE in schedule:
@@ -291,11 +299,21 @@ def _report(runner: Runner, round_: int, out: Path, rank: int, p: int) -> None:
     ranks: list[Any] = [None] * p
     dist.all_gather_object(ranks, runner.steps)
     if rank == 0:
+        ran = _ran(runner.engine)
         append_jsonl(out, {"kind": "steps", "schedule": runner.schedule, "round": round_, "tokens_per_step": runner.tokens,
-                           "layers": stage_layers(runner.engine.module), "ranks": ranks})
+                           "layers": stage_layers(runner.engine.module), "ranks": ranks, "ran": ran})
         med = sorted(s["step_s"] for s in ranks[0])[len(ranks[0]) // 2]
         print(f"[host_engine round {round_}] {runner.schedule:15s} step {1e3 * med:7.1f} ms  "
-              f"{runner.tokens / med:9,.0f} tok/s", flush=True)
+              f"{runner.tokens / med:9,.0f} tok/s  ran {ran}", flush=True)
+
+
+def _ran(engine: Any) -> str:
+    """The schedule the engine ran its timed steps with: for auto, its choice; a greedy order's policy in brackets."""
+    schedule = getattr(engine, "schedule", None)
+    if schedule is None:
+        return "DeepSpeed TrainSchedule"
+    picked = schedule.params.get("picked")
+    return f"{schedule.name} ({picked})" if picked else schedule.name
 
 
 def _loadavg() -> str:

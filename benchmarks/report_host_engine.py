@@ -144,6 +144,7 @@ def render(path: Path) -> str:
     rows = whole_steps(steps, tokens)
     base = next((r for r in rows if r["schedule"] == BASE), rows[0])
     out = _header(setting, end, steps)
+    out += _orders_run(path, steps)
     out += ["## (c) Whole steps", "",
             "Median step time between barriers and tokens/s; the busiest rank's main-thread CPU per step (median), which",
             "other load on the machine inflates far less than the step time. `vs DS` = tokens/s over DeepSpeed 1F1B's;",
@@ -225,6 +226,19 @@ def _header(setting: dict[str, Any], end: dict[str, Any], steps: dict[str, Any])
         f"Schedules: {', '.join(steps)} (seq1f1b with 2 sequence chunks). One engine each, built first; per round 2 untimed "
         "and then timed steps each, in turns; the activation meter off.", "",
     ]
+
+
+def _orders_run(path: Path, steps: dict[str, Any]) -> list[str]:
+    """A line naming what a row ran where that is not the row's name alone (auto's choice, an order for costs)."""
+    ran: dict[str, set[str]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "steps" and rec.get("ran") not in (None, rec["schedule"].split("+")[0], "DeepSpeed TrainSchedule"):
+            ran.setdefault(rec["schedule"], set()).add(rec["ran"])
+    if not ran:
+        return []
+    listed = "; ".join(f"{name}: {', '.join(sorted(ran[name]))}" for name in steps if name in ran)
+    return [f"Ran (auto's choice, or the order picked for the costs): {listed}.", ""]
 
 
 def write_report(raw: Path, md: Path) -> None:

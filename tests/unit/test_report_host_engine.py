@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from transformers import LlamaConfig
 
-from benchmarks.host_engine import GcClock, HandlerClock, stage_layers
-from benchmarks.report_host_engine import _collector, _per_stage_table, per_stage
+from benchmarks.host_engine import AUTO, GcClock, HandlerClock, _ran, config_of, stage_layers
+from benchmarks.report_host_engine import _collector, _orders_run, _per_stage_table, per_stage
+from ds_vshape.schedules import Costs, generate
 from ds_vshape.hf import pipeline_layers
 
 
@@ -72,3 +75,18 @@ def test_the_collector_clock_counts_collections_per_generation_and_what_they_fou
     assert _collector(steps) == {"gc_ms": 2.0, "gc_full": 0.5}  # means: one step in two collected
     got = _collector([{"handlers": {}}])  # raw lines from before the clock
     assert got["gc_ms"] != got["gc_ms"] and got["gc_full"] != got["gc_full"]  # NaN: rendered as nan, not as 0
+
+
+def test_an_auto_row_runs_its_schedule_for_measured_costs_and_the_report_names_the_order(tmp_path: Path) -> None:
+    pipeline = config_of("v-zb" + AUTO, seq_len=64)["pipeline"]
+    assert pipeline["schedule"] == "auto" and pipeline["auto_candidates"] == ["v-zb"] and pipeline["auto_placement"] == "v"
+    greedy = generate("v-zb", 2, 8, costs=Costs(b=1.14, w=0.39))
+    assert _ran(SimpleNamespace(schedule=greedy)) == f"v-zb ({greedy.params['picked']})"
+    assert _ran(SimpleNamespace(schedule=generate("v-zb", 2, 8))) == "v-zb" and _ran(object()) == "DeepSpeed TrainSchedule"
+    raw = tmp_path / "raw.jsonl"
+    records = [("v-zb+auto", _ran(SimpleNamespace(schedule=greedy))), ("v-zb+fused", "v-zb"), ("deepspeed-1f1b", "DeepSpeed TrainSchedule")]
+    raw.write_text("".join(json.dumps({"kind": "steps", "schedule": name, "ran": ran}) + "\n" for name, ran in records))
+    steps = {name: [] for name, _ in records}
+    assert _orders_run(raw, steps) == [f"Ran (auto's choice, or the order picked for the costs): v-zb+auto: {records[0][1]}.", ""]
+    raw.write_text("".join(json.dumps({"kind": "steps", "schedule": name, "ran": ran}) + "\n" for name, ran in records[1:]))
+    assert _orders_run(raw, steps) == []
