@@ -84,12 +84,15 @@ class _State:
     ends: dict[tuple[Kind, int, int], float] = field(default_factory=dict, init=False)
     free_at: list[float] = field(init=False)
     events: list[float] = field(default_factory=lambda: [0.0], init=False)
+    pending: set[float] = field(default_factory=lambda: {0.0}, init=False)  # the times in ``events``, each once
+    live: list[int] = field(init=False)  # per rank: half-chunk activations from F to W
 
     def __post_init__(self) -> None:
         self.placement = vshape(self.p)
         self.orders = [[] for _ in range(self.p)]
         self.done = {(kind, s): 0 for kind in (Kind.F, Kind.B, Kind.W) for s in range(2 * self.p)}
         self.free_at = [0.0] * self.p
+        self.live = [0] * self.p
         self.stages = [[r, 2 * self.p - 1 - r] for r in range(self.p)]
 
     def run(self) -> bool:
@@ -98,7 +101,7 @@ class _State:
             while self._start_free_ranks(now):
                 pass  # again at the same time: a zero-cost pass frees its rank at once
             while self.events and self.events[0] <= now + _EPS:
-                heapq.heappop(self.events)
+                self.pending.discard(heapq.heappop(self.events))
             if not self.events:
                 return all(len(o) == total for o in self.orders)
             now = self.events[0]
@@ -120,8 +123,11 @@ class _State:
         self.done[(action.kind, action.stage)] += 1
         self.ends[(action.kind, action.stage, action.micro_batch)] = end
         self.free_at[r] = end
-        heapq.heappush(self.events, end)
-        heapq.heappush(self.events, end + self.costs.comm)
+        self.live[r] += {Kind.F: 1, Kind.W: -1}.get(action.kind, 0)
+        for t in (end, end + self.costs.comm):
+            if t not in self.pending:  # many passes end at the same time: one wake-up each
+                self.pending.add(t)
+                heapq.heappush(self.events, t)
 
     def _arrival(self, kind: Kind, s: int) -> float | None:
         """When stage s's next F or B may start as far as its inputs go (None: not yet known)."""
@@ -141,11 +147,8 @@ class _State:
             return None
         return end + (self.costs.comm if self.placement[prev[1]] != self.placement[s] else 0.0)
 
-    def _live(self, r: int) -> int:
-        return sum(self.done[(Kind.F, s)] - self.done[(Kind.W, s)] for s in self.stages[r])
-
     def _candidates(self, r: int) -> list[tuple[Kind, int, float | None]]:
-        live, out = self._live(r), []
+        live, out = self.live[r], []
         for s in self.stages[r]:
             out.append((Kind.B, s, self._arrival(Kind.B, s)))
             room = self.policy.reserve if s < self.p else 0
