@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import cell, machine_info  # noqa: E402
 from benchmarks.report_rows import COMPUTE, RAW, RESULTS, W_MEMORY, WAITS, calibrated_makespan, pass_medians_ms, read_jsonl, schedule_of  # noqa: E402
-from ds_vshape.schedules import Costs, simulate  # noqa: E402
+from ds_vshape.schedules import Costs, Schedule, simulate  # noqa: E402
 
 __all__ = ["real_rows", "real_markdown", "main"]
 
@@ -68,7 +68,10 @@ def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], 
                variants: dict[str, dict[str, Any]]) -> None:
     name, _, variant = row["schedule"].partition("+")
     keys = {k: v for k, v in variants.get(variant, {}).items() if k != "weight_grads_in_b"}  # those that shape the order
-    sched = schedule_of(row["system"], name, rec["p"], MICRO_BATCHES, pipeline=keys)  # a variant's own schedule
+    if "ran" in rec:  # recorded by the run: the order its steps ran
+        sched: Schedule | None = Schedule.from_dict(rec["ran"])
+    else:
+        sched = schedule_of(row["system"], name, rec["p"], MICRO_BATCHES, pipeline=keys)  # a variant's own schedule
     if sched is None:
         return
     passes = pass_medians_ms(rec["ranks"])
