@@ -188,7 +188,7 @@ def report(runner: Runner, round_: int, args: argparse.Namespace, rank: int, p: 
                "ranks": gathered}
         ran = getattr(getattr(runner, "engine", None), "schedule", None)
         if ran is not None:  # what its steps ran (auto's choice, an order for measured costs): the report simulates it
-            rec["ran"] = ran.to_dict()
+            rec["ran"], rec["ran_picked"] = ran.to_dict(), ran.params.get("picked")  # the export leaves params out
         status = record_case(args.out, rec, gathered,
                              lambda med: f"step {med:.3f} s, {gathered[0]['tokens_per_step'] / med:,.0f} tok/s")
         print(f"[real p={p} round {round_}] {system:9s} {name:14s} {status}", flush=True)

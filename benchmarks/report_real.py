@@ -70,6 +70,8 @@ def _simulated(row: dict[str, Any], rec: dict[str, Any], lat: dict[str, float], 
     keys = {k: v for k, v in variants.get(variant, {}).items() if k != "weight_grads_in_b"}  # those that shape the order
     if "ran" in rec:  # recorded by the run: the order its steps ran
         sched: Schedule | None = Schedule.from_dict(rec["ran"])
+        picked = rec.get("ran_picked")
+        row["ran"] = f"{sched.name} ({picked})" if picked else sched.name
     else:
         sched = schedule_of(row["system"], name, rec["p"], MICRO_BATCHES, pipeline=keys)  # a variant's own schedule
     if sched is None:
@@ -211,10 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     text = real_markdown(rows, machine)
     variants = next((x["variants"] for x in lines if x["kind"] == "variants"), None)
+    notes = []
     if variants:  # what SCHEDULE+NAME rows ran with, after the header paragraph
+        notes.append("Variants: " + "; ".join(f"`+{k}`: `pipeline` keys `{json.dumps(v)}`" for k, v in variants.items()) + ".")
+    ran = [f"{r['schedule']}: {r['ran']}" for r in rows if r.get("ran") not in (None, r["schedule"].split("+")[0])]
+    if ran:  # auto's choice, or an order picked for the costs
+        notes.append("Ran: " + "; ".join(ran) + ".")
+    if notes:
         head, sep, rest = text.partition("\n\n")
-        said = "; ".join(f"`+{k}`: `pipeline` keys `{json.dumps(v)}`" for k, v in variants.items())
-        text = f"{head}{sep}Variants: {said}.\n\n{rest}"
+        text = head + sep + "\n\n".join(notes) + "\n\n" + rest
     (RESULTS / f"{args.name}.md").write_text(text)
     print(text)
     return 0
