@@ -114,7 +114,7 @@ def _add_schedule_options(parser: argparse.ArgumentParser, *, with_name: bool = 
     if with_name:
         parser.add_argument("--fuse-idle-w", action="store_true",
                             help="run each W that fills no bubble under these costs fused with its B, as the engine "
-                                 "does with pipeline.fuse_idle_w true (the engine: with equal F, B and W costs)")
+                                 "does with pipeline.fuse_idle_w true (the engine: with pipeline.pass_costs, else equal F, B and W)")
 
 
 def _add_cost_options(parser: argparse.ArgumentParser, *, memory: bool) -> None:

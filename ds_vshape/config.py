@@ -29,16 +29,18 @@ class ConfigError(ValueError):
 
 
 class PassCosts(BaseModel):
-    """``pipeline.pass_costs``: how long one model stage's passes take, relative to each other."""
+    """``pipeline.pass_costs``: how long the passes over one rank's layers take, relative to each other."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    f: float = Field(gt=0, description="Forward of one model stage (any unit, the same for all four: ms, or F = 1).")
-    b: float = Field(gt=0, description="Input-gradient backward (B) of one model stage, in f's unit.")
-    w: float = Field(gt=0, description="Weight-gradient backward (W) of one model stage, in f's unit.")
+    f: float = Field(gt=0, description="Forward over the layers one rank holds (a V rank's two stages together, as "
+                     "`ds-vshape simulate --t-f` counts it); any unit, the same for all four: ms, or f = 1.")
+    b: float = Field(gt=0, description="Input-gradient backward (B) over the same layers, in f's unit.")
+    w: float = Field(gt=0, description="Weight-gradient backward (W) over the same layers, in f's unit.")
     comm: float = Field(0.0, ge=0, description="One hop between pipeline ranks (a stage's output reaching the next), in f's unit.")
 
     def to_costs(self, *, w_memory: float) -> Costs:
+        """The simulator's costs (a rank with v stages runs each pass in 1/v of these), with the share W keeps."""
         return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, w_memory=w_memory)
 
 
@@ -253,10 +255,16 @@ class PipelineConfig(BaseModel):
         if self.schedule == "auto":
             raise ValueError("pipeline.pass_costs does not apply with \"schedule\": \"auto\", which measures the passes "
                              "itself; remove pass_costs")
-        if not get_info(str(self.schedule)).uses_costs and not self.fuse_idle_w:
+        if self.fuse_idle_w:
+            return
+        info = get_info(str(self.schedule))
+        if not info.uses_costs:
             readers = ", ".join(n for n in schedule_names() if get_info(n).uses_costs)
             raise ValueError(f"pipeline.pass_costs applies only to the schedules that order for costs ({readers}) or with "
                              f"pipeline.fuse_idle_w true; {self.schedule!r} ignores them: remove pass_costs or pick one of those")
+        if not info.orders_for_costs(self.seq_chunks or info.default_seq_chunks):
+            raise ValueError(f"pipeline.pass_costs: {self.schedule!r} orders for costs on whole sequences only, and "
+                             f"pipeline.seq_chunks is {self.seq_chunks}; remove pass_costs or seq_chunks")
 
     def _split_options_fit(self) -> None:
         """Split-backward options need a schedule that splits backward (the registry's ``split_backward``)."""

@@ -266,8 +266,10 @@ def _overhead(settings: AutoSettings, measured: Measured, costs: Costs, stages: 
     so it is added to each alike; it moves the predicted time, never the choice."""
     if measured.step <= 0:
         return 0.0
-    safe = _make(settings.safe, settings, stages, micro_batches, costs, settings.warmup_limit)
-    return max(0.0, measured.step - simulate(safe, costs).makespan)
+    # The order the measuring steps ran: made before anything was measured (equal costs), as the config made it,
+    # not the one these costs would give the safe schedule now.
+    ran = _make(settings.safe, settings, stages, micro_batches, Costs(w_memory=settings.w_memory), settings.warmup_limit)
+    return max(0.0, measured.step - simulate(ran, costs).makespan)
 
 
 def make_chosen(choice: Choice, settings: AutoSettings, *, stages: int, micro_batches: int) -> Schedule:

@@ -6,7 +6,8 @@ and the bubble that W's freedom filled comes back. ``moved_share_limit`` asks th
 how far that may go: the largest share ``s`` of W's work moved into B (B costing ``1 + s``,
 W ``1 - s``, F 1, per slice of the model) at which the schedule still takes no longer than
 DeepSpeed's 1F1B on the same ranks and micro-batches with fused backwards. Unit costs stand
-in for the real ones, as the schedules themselves are built on them.
+in for the real ones, which the engine does not know here (a schedule ordered for measured or
+given costs is judged on unit costs too: a conservative limit where its order suits its costs).
 """
 
 from __future__ import annotations

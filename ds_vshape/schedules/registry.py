@@ -42,6 +42,8 @@ class GeneratorInfo:
     ``split_backward``: the schedule splits backward into B and W passes (``Schedule.uses_split_backward``
     for every p and m); the one place that says which schedules the split-backward options
     (``pipeline.weight_grads_in_b``) apply to (config and ``ds-vshape list`` read it).
+    ``uses_costs``: the generator orders its passes for the ``costs`` it is given (``orders_for_costs``
+    says for which k: the built-in ones on whole sequences only); ``pipeline.pass_costs`` applies to it.
     ``placement``: the stage-to-rank layout the schedule runs on (``linear``, ``v`` or
     ``looped``); ``"schedule": "auto"`` chooses among the schedules of one placement, since the
     layers are already placed when it chooses.
@@ -64,6 +66,10 @@ class GeneratorInfo:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     min_micro_batches: MinMicroBatches = lambda p, v, k: 1
     builtin: bool = False
+
+    def orders_for_costs(self, seq_chunks: int) -> bool:
+        """Whether the order depends on the pass costs given, with k sequence chunks (the one place that says)."""
+        return self.uses_costs and seq_chunks == 1
 
     def chunks(self, requested: int | None) -> int:
         if self.fixed_chunks is not None:

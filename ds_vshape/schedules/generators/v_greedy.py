@@ -1,4 +1,4 @@
-"""List scheduling on V placement for given pass costs: the orders ``v-zb`` weighs against its block.
+"""List scheduling on V placement for given pass costs: the orders the V schedules weigh against their blocks.
 
 The building blocks of ``vshape`` are timed in the slot model, where F, B and W of a chunk take
 one slot each. Real passes do not: B often costs more than F (attention's backward), and W much
@@ -9,8 +9,11 @@ V-ZB, zero bubble with unit costs, can idle more than 1F1B does.
 ``v_greedy_schedule`` builds an order from the costs themselves, the zero-bubble papers' heuristic
 carried to two chunks per rank: every rank, whenever it is free, runs a forward or an input
 gradient whose inputs have arrived (by ``VGreedyPolicy``), and otherwise its oldest pending W.
-Memory is counted as the strictest count: a chunk's activation is live from its F until its W
-(half an M_B each), so the limit holds whatever share B keeps for W. A rank keeps ``reserve``
+Memory is counted as the V schedules count it (half an M_B per chunk's activation): B frees all
+but the share ``costs.w_memory`` that W still needs, W frees that share, and the load of a rank,
+F - B + w_memory (B - W), stays within the limit; so does F - W within twice it, a guard for a
+runtime that keeps more until W than planned. A W is what makes room when the limit holds back
+the next F, and what runs when nothing else is ready. A rank keeps ``reserve``
 half-units free for its second chunk's forwards while it runs first-chunk forwards: the way back up
 the V passes through every rank, and a rank filled with first-chunk activations would block it.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from ..costs import Costs
@@ -55,6 +59,7 @@ class VGreedyPolicy:
 
     @classmethod
     def grid(cls) -> tuple[VGreedyPolicy, ...]:
+        """Every combination of the four choices (reserve 1 or 2): the orders a V schedule tries."""
         return tuple(cls(*flags, reserve=r) for *flags, r in itertools.product((True, False), (True, False), (True, False), (1, 2)))
 
 
@@ -64,7 +69,7 @@ def v_greedy_schedule(p: int, m: int, *, costs: Costs, memory_limit: float, poli
     None where the policy stalls (its memory rule leaves no runnable pass on some rank): the
     caller has other candidates, and a stall is a property of the policy at these sizes.
     """
-    state = _State(p, m, costs, int(round(2 * memory_limit + _EPS)), policy)
+    state = _State(p, m, costs, math.floor(2 * memory_limit + _EPS), policy)  # never above the limit
     if not state.run():
         return None
     return Schedule(policy.name, p, m, 2, 1, vshape(p), tuple(tuple(o) for o in state.orders))
@@ -77,7 +82,7 @@ class _State:
     p: int
     m: int
     costs: Costs
-    limit: int  # half-chunk activations live from F to W
+    limit: int  # half-chunk activations a rank may hold (the load, module doc)
     policy: VGreedyPolicy
     orders: list[list[Action]] = field(init=False)
     done: dict[tuple[Kind, int], int] = field(init=False)  # (kind, stage) -> passes run
@@ -85,15 +90,16 @@ class _State:
     free_at: list[float] = field(init=False)
     events: list[float] = field(default_factory=lambda: [0.0], init=False)
     pending: set[float] = field(default_factory=lambda: {0.0}, init=False)  # the times in ``events``, each once
-    live: list[int] = field(init=False)  # per rank: half-chunk activations from F to W
+    unfreed: list[int] = field(init=False)  # per rank: forwards whose B has not run
+    awaiting_w: list[int] = field(init=False)  # per rank: B passes whose W has not run
 
     def __post_init__(self) -> None:
-        self.placement = vshape(self.p)
+        self.placement: tuple[int, ...] = vshape(self.p)
         self.orders = [[] for _ in range(self.p)]
         self.done = {(kind, s): 0 for kind in (Kind.F, Kind.B, Kind.W) for s in range(2 * self.p)}
         self.free_at = [0.0] * self.p
-        self.live = [0] * self.p
-        self.stages = [[r, 2 * self.p - 1 - r] for r in range(self.p)]
+        self.unfreed, self.awaiting_w = [0] * self.p, [0] * self.p
+        self.stages: list[list[int]] = [[r, 2 * self.p - 1 - r] for r in range(self.p)]
 
     def run(self) -> bool:
         now, total = 0.0, 6 * self.m
@@ -123,7 +129,12 @@ class _State:
         self.done[(action.kind, action.stage)] += 1
         self.ends[(action.kind, action.stage, action.micro_batch)] = end
         self.free_at[r] = end
-        self.live[r] += {Kind.F: 1, Kind.W: -1}.get(action.kind, 0)
+        if action.kind is Kind.F:
+            self.unfreed[r] += 1
+        elif action.kind is Kind.B:
+            self.unfreed[r], self.awaiting_w[r] = self.unfreed[r] - 1, self.awaiting_w[r] + 1
+        else:
+            self.awaiting_w[r] -= 1
         for t in (end, end + self.costs.comm):
             if t not in self.pending:  # many passes end at the same time: one wake-up each
                 self.pending.add(t)
@@ -148,11 +159,13 @@ class _State:
         return end + (self.costs.comm if self.placement[prev[1]] != self.placement[s] else 0.0)
 
     def _candidates(self, r: int) -> list[tuple[Kind, int, float | None]]:
-        live, out = self.live[r], []
+        out = []
+        load = self.unfreed[r] + self.costs.w_memory * self.awaiting_w[r]
+        held = self.unfreed[r] + self.awaiting_w[r]
         for s in self.stages[r]:
             out.append((Kind.B, s, self._arrival(Kind.B, s)))
             room = self.policy.reserve if s < self.p else 0
-            if live + 1 + room <= self.limit:
+            if load + 1 + room <= self.limit + _EPS and held + 1 <= 2 * self.limit:
                 out.append((Kind.F, s, self._arrival(Kind.F, s)))
         return out
 

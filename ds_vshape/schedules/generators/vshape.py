@@ -42,9 +42,11 @@ All four are built in the slot model (unit pass costs, no communication), where 
 decides how early the W passes must run. Real passes are not equal: B often costs more than F, W
 far less where the host is the bottleneck, and a slot-model order then waits on its peer (V-ZB can
 idle more than 1F1B). So under ``costs`` with unequal F, B and W, a hop or uneven stages, each
-schedule also tries the greedy orders of ``v_greedy`` within its own memory bound (counted live
-from F to W, so it holds for any share) and runs the one the simulator finds fastest, the block's
-on a tie (``params["picked"]`` names a greedy winner). With sequence chunks the block stays.
+schedule also tries the greedy orders of ``v_greedy`` within its own memory bound (counted as the
+blocks are, with the share ``costs.w_memory`` held until W) and runs the one the simulator finds
+fastest, the block's on a tie (``params["picked"]`` names a greedy winner). The blocks stay as the
+papers built them under slot-model costs, even where a greedy order would be faster there, and with
+sequence chunks.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import math
 from dataclasses import dataclass
 
 from ..costs import Costs
-from ..ir import Schedule
+from ..ir import Action, Schedule
 from ..placement import vshape
 from ..simulate import SimResult, simulate
 from .builtin import builtin
@@ -118,23 +120,35 @@ def _slot_model(costs: Costs) -> bool:
 
 def _fastest_for(block: Schedule, costs: Costs, limit: float) -> Schedule:
     """The block's order, or the greedy order (``v_greedy``) that the simulator finds faster under
-    ``costs`` within the block's bound ``limit`` (M_B, counted live from F to W); the block wins ties."""
+    ``costs`` within the block's bound ``limit`` (M_B, with the share ``costs.w_memory`` counted until
+    W, and everything W keeps within twice it, as the blocks are held); the block wins ties."""
     p, m = block.stages, block.micro_batches
-    best, best_time = block, simulate(block, costs).makespan
+    found = _greedy_best(p, m, costs, limit, simulate(block, costs).makespan)
+    if found is None:
+        return block
+    name, ranks = found
+    order = Schedule(block.name, p, m, 2, 1, block.stage_to_rank, ranks)
+    params = {**block.params, "picked": name, "peak_memory": simulate(order, costs).max_peak_memory,
+              "peak_memory_until_w": simulate(order, costs, kept_until_w=1.0).max_peak_memory}
+    for stale in ("block", "span_idle_slots", "choice"):  # the block's, not this order's
+        params.pop(stale, None)
+    return Schedule(block.name, p, m, 2, 1, block.stage_to_rank, ranks, params=params)
+
+
+# Cached: auto makes each candidate for its choice, then every rank the chosen one, again at a batch ramp-up.
+@functools.lru_cache(maxsize=32)
+def _greedy_best(p: int, m: int, costs: Costs, limit: float, to_beat: float) -> tuple[str, tuple[tuple[Action, ...], ...]] | None:
+    """(policy name, order) of the fastest greedy order below ``to_beat`` within the bound, or None."""
+    best = None
     for policy in VGreedyPolicy.grid():
         candidate = v_greedy_schedule(p, m, costs=costs, memory_limit=limit, policy=policy)
         if candidate is None:
             continue
-        result = simulate(candidate, costs, kept_until_w=1.0)
-        if result.makespan < best_time * (1 - _EPS) and result.max_peak_memory <= limit + _EPS:
-            best, best_time = candidate, result.makespan
-    if best is block:
-        return block
-    peak = simulate(best, costs, kept_until_w=1.0).max_peak_memory
-    params = {**block.params, "picked": best.name, "peak_memory": peak, "peak_memory_until_w": peak}
-    for stale in ("block", "span_idle_slots"):  # the block's, not this order's
-        params.pop(stale, None)
-    return Schedule(block.name, p, m, 2, 1, block.stage_to_rank, best.ranks, params=params)
+        result = simulate(candidate, costs)  # memory at the share the costs name
+        if (result.makespan < to_beat * (1 - _EPS) and result.max_peak_memory <= limit + _EPS
+                and simulate(candidate, costs, kept_until_w=1.0).max_peak_memory <= 2 * limit + _EPS):
+            best, to_beat = (candidate.name, candidate.ranks), result.makespan
+    return best
 
 
 @builtin(
@@ -180,7 +194,7 @@ def _build(
         **params,
     }
     schedule = Schedule(name, p, m, 2, seq_chunks, vshape(p), squeezed.actions(), params=info)
-    if seq_chunks > 1 or costs is None or _slot_model(costs):
+    if seq_chunks > 1 or costs is None or _slot_model(costs):  # k > 1: GeneratorInfo.orders_for_costs says so too
         return schedule
     return _fastest_for(schedule, costs, budget / 2 if search_limit is None else search_limit)
 
