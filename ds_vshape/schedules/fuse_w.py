@@ -8,7 +8,7 @@ GPU) that cost is a large share of the pass.
 
 ``fuse_idle_w`` tries the split units by when their B starts and turns ``B ... W`` of one unit
 into one ``BW`` at B's place wherever the step, simulated, ends no later than the schedule's own
-under every cost profile of ``fusion_profiles`` (the given costs, and pass times straying from
+under every cost profile of ``_fusion_profiles`` (the given costs, and pass times straying from
 them, as real ones do), and tries the rest again until none fuses. Each try re-times the timeline from the
 change on, only where something moves. A fused unit then runs as 1F1B runs it: a plain forward
 and one fused backward. Memory only goes down (a fused unit frees what W would have kept at
@@ -27,7 +27,7 @@ from .ir import Action, Kind, Schedule
 from .simulate import simulate
 from .validate import prerequisites
 
-__all__ = ["fuse_idle_w", "fusion_profiles"]
+__all__ = ["fuse_idle_w"]
 
 _EPS = 1e-9  # simulated times are sums of a few costs: a fusion that delays by less is none
 # Passes re-timed before trying stops: a tight schedule (V-ZB over many micro-batches) moves most of its
@@ -47,7 +47,7 @@ def fuse_idle_w(schedule: Schedule, *, costs: Costs | None = None) -> Schedule:
     costs = costs or Costs()
     if not schedule.uses_split_backward:
         return schedule
-    states = [_Timeline(schedule, c) for c in fusion_profiles(schedule, costs)]
+    states = [_Timeline(schedule, c) for c in _fusion_profiles(schedule, costs)]
     fused = 0
     progress = True
     while progress and _left(states) >= 0:  # a fusion can free time for one tried before it: again until none
@@ -72,7 +72,7 @@ def fuse_idle_w(schedule: Schedule, *, costs: Costs | None = None) -> Schedule:
     return replace(schedule, ranks=ranks, params={**schedule.params, "fused_w": schedule.params.get("fused_w", 0) + fused})
 
 
-def fusion_profiles(schedule: Schedule, costs: Costs) -> list[Costs]:
+def _fusion_profiles(schedule: Schedule, costs: Costs) -> list[Costs]:
     """The costs under each of which a fusion must end the step no later than the schedule's own: the
     given ones; B, W and F each ``_SLACK`` off them; the first or the last model stage that much slower
     (the embedding, the LM head and the loss). Real passes never cost what the schedule was made for."""
