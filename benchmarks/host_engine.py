@@ -60,8 +60,8 @@ from recipes.train_hf import build_module  # noqa: E402
 
 __all__ = ["SCHEDULES", "GcClock", "HandlerClock", "build", "main", "stage_layers"]
 
-SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h1+fused", "zb-h2", "zb-h2+fused", "v-zb", "v-zb+fused", "v-zb+auto", "v-half",
-             "seq1f1b")
+SCHEDULES = ("deepspeed-1f1b", "1f1b", "zb-h1", "zb-h1+fused", "zb-h2", "zb-h2+fused", "v-zb", "v-zb+fused", "v-zb+auto",
+             "v-zb+measure", "v-half", "seq1f1b")
 SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
 # ``--schedules v-zb+profile``: the schedule with ``partition_method: profile``. A V placement puts
 # the embedding, the LM head and the loss on rank 0; the recipe's parameter-count cut does not
@@ -72,6 +72,9 @@ FUSED = "+fused"
 # ``--schedules v-zb+auto``: ``"schedule": "auto"`` with that schedule its only candidate: the first round's untimed
 # steps measure F, B and W, then it runs the schedule generated for the measured costs (v-zb orders for them).
 AUTO = "+auto"
+# ``--schedules v-zb+measure``: the schedule with ``pass_costs: "measure"``: the first round's untimed steps run its
+# equal-cost order and measure F, B and W, then it runs its order for the measured costs.
+MEASURE = "+measure"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +98,8 @@ def config_of(schedule: str, *, seq_len: int) -> dict[str, Any]:
     if AUTO in schedule:
         config["pipeline"] = {**config["pipeline"], "schedule": "auto", "auto_candidates": [base],
                               "auto_placement": get_info(base).placement}
+    if MEASURE in schedule:
+        config["pipeline"] = {**config["pipeline"], "pass_costs": "measure"}
     if base == "seq1f1b":
         config["pipeline"] = {**config["pipeline"], "seq_chunks": SEQ_CHUNKS}
     if PROFILE in schedule:

@@ -90,7 +90,7 @@ def _make_plan(vs: PipelineConfig, schedule: Schedule, config: dict[str, Any], *
         weight_grads_in_b=tuple(vs.weight_grads_in_b),
     )
     auto = None
-    if vs.schedule == "auto":
+    if vs.measures:  # auto, or pass_costs "measure": the AutoEngine times passes, then settles the order
         auto = vs.auto_settings(zero_stage=_zero_stage(config), stages=schedule.stages, micro_batches=schedule.micro_batches)
     return Plan(schedule, partial(vs.make_schedule, schedule.stages), settings, auto=auto)
 

@@ -66,9 +66,10 @@ class PipelineConfig(BaseModel):
         "(1f1b, zb-h1, zb-h2, zb-auto, ...), 'v' (v-min, v-half, v-zb, v-adaptive; the default) or 'looped' (interleaved, "
         "breadth-first; chunks per rank from chunks).")
     auto_warmup_steps: int | None = Field(
-        None, ge=1, description="auto only: train_batch calls run with the placement's safe schedule (zb-h1, v-min or "
-        "interleaved) before the choice (default 2). They time every pass, except the last, which runs plain to time the "
-        "step, and the first when there are three or more (it pays one-time costs).")
+        None, ge=1, description="auto, or pass_costs 'measure': train_batch calls run with the placement's safe schedule "
+        "(zb-h1, v-min or interleaved; with 'measure' the named schedule's equal-cost order) before the choice "
+        "(default 2). They time every pass, except the last, which runs plain to time the step, and the first when "
+        "there are three or more (it pays one-time costs).")
     auto_candidates: tuple[str, ...] | None = Field(
         None, min_length=1, description="auto only: the schedules it may pick (all of the placement's when absent).")
     partition_method: str | None = Field(
@@ -131,14 +132,18 @@ class PipelineConfig(BaseModel):
         "are then summed in another order (rounding differs, as between schedules). false (the default): every W the "
         "schedule has runs apart. Not with schedule 'auto'. `ds-vshape simulate --fuse-idle-w` shows the fused order.",
     )
-    pass_costs: PassCosts | None = Field(
+    pass_costs: PassCosts | Literal["measure"] | None = Field(
         None,
-        description="Measured pass times of your model (f, b, w and comm, relative): the schedules that order their "
+        description="Pass times of your model (f, b, w and comm, relative), or 'measure': the schedules that order their "
         "passes for given costs (`ds-vshape list` shows 'costs': zb-auto and the V schedules) and fuse_idle_w use them "
         "instead of equal F, B and W and free hops. Where B costs more than F, or W less (host-bound passes), a V "
         "schedule's slot-model order waits on its peer; with these it takes a greedy order where the simulator finds "
         "it faster within the same memory bound (`ds-vshape simulate -s v-zb --t-f .. --t-b .. --t-w ..` shows which). "
-        "Not with schedule 'auto', which measures them itself.",
+        "'measure': the named schedule runs its equal-cost order for auto_warmup_steps steps (default 2) while the "
+        "engine times every pass and hop (as schedule 'auto' does), then runs its order for the measured costs from the "
+        "next step on; the log states them as pass_costs numbers, which pin that order in later runs (the order, and so "
+        "the rounding of summed weight gradients, can differ between runs that measure). Not with schedule 'auto', "
+        "which measures them itself.",
     )
     weight_grads_in_b: tuple[str, ...] = Field(
         (),
@@ -175,9 +180,15 @@ class PipelineConfig(BaseModel):
     @property
     def costs(self) -> Costs:
         """What the named schedule is generated for: ``pass_costs`` when given, else equal passes."""
-        if self.pass_costs is None:
+        if not isinstance(self.pass_costs, PassCosts):  # none, or measured by the engine later (auto_settings)
             return Costs(w_memory=self.w_memory)
         return self.pass_costs.to_costs(w_memory=self.w_memory)
+
+    @property
+    def measures(self) -> bool:
+        """Whether the engine times the passes before it settles the order: schedule 'auto', or a named schedule
+        with pass_costs 'measure' (then its own only candidate)."""
+        return self.schedule == "auto" or self.pass_costs == "measure"
 
     def _measuring_schedule(self, stages: int, micro_batches: int) -> tuple[str, float | None]:
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
@@ -188,6 +199,14 @@ class PipelineConfig(BaseModel):
     def offload_share(self) -> float:
         """The share the engine starts with (auto's measuring steps run without offload under ``"auto"``)."""
         return 0.0 if self.offload == "auto" else float(self.offload)
+
+    @field_validator("pass_costs", mode="before")
+    @classmethod
+    def _costs_or_measure(cls, value: Any) -> Any:
+        # A misspelt word would otherwise fail as a union: both members' errors, neither naming the choice.
+        if isinstance(value, str) and value != "measure":
+            raise ValueError(f"takes 'measure' or the pass times {{\"f\": .., \"b\": .., \"w\": .., \"comm\": ..}}, not {value!r}")
+        return value
 
     @field_validator("schedule")
     @classmethod
@@ -203,9 +222,15 @@ class PipelineConfig(BaseModel):
 
     def auto_settings(self, *, zero_stage: int, stages: int, micro_batches: int) -> AutoSettings:
         """What auto chooses from and within, for the engine (which does not read the config)."""
-        warmup, warmup_limit = self._measuring_schedule(stages, micro_batches)
-        return AutoSettings(placement=self.auto_placement or "v", warmup_steps=self.auto_warmup_steps or 2,
-                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
+        if self.schedule == "auto":
+            placement, names = self.auto_placement or "v", self.auto_candidates
+            warmup, warmup_limit = self._measuring_schedule(stages, micro_batches)
+        else:  # pass_costs "measure": the named schedule measures itself, then takes its order for the costs
+            info = get_info(str(self.schedule))
+            placement, names, warmup = info.placement, (info.name,), info.name
+            warmup_limit = self.memory_limit if info.memory_limit else None
+        return AutoSettings(placement=placement, warmup_steps=self.auto_warmup_steps or 2,
+                            names=names, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
                             w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit,
                             offload=None if self.offload == "auto" else self.offload)
@@ -231,7 +256,8 @@ class PipelineConfig(BaseModel):
             return self
         check_auto_options(self.schedule, placement=self.auto_placement, warmup_steps=self.auto_warmup_steps,
                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks,
-                           memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes)
+                           memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
+                           measures=self.pass_costs == "measure")
         if self.offload == "auto" and self.schedule != "auto":
             raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
                              "give a share from 0 to 1")
@@ -249,12 +275,16 @@ class PipelineConfig(BaseModel):
         return self
 
     def _pass_costs_fit(self) -> None:
-        """pass_costs needs a reader: a schedule that orders for costs (the registry's ``uses_costs``) or fuse_idle_w."""
+        """pass_costs needs a reader: a schedule that orders for costs (the registry's ``uses_costs``) or fuse_idle_w;
+        'measure' a schedule that orders for costs at this k (what the engine measures reorders nothing else)."""
         if self.pass_costs is None:
             return
         if self.schedule == "auto":
             raise ValueError("pipeline.pass_costs does not apply with \"schedule\": \"auto\", which measures the passes "
                              "itself; remove pass_costs")
+        if self.pass_costs == "measure" and self.fuse_idle_w:
+            raise ValueError("pipeline.pass_costs 'measure' does not apply with pipeline.fuse_idle_w true, which fuses at the "
+                             "front door, before anything is measured; give pass_costs as numbers or drop fuse_idle_w")
         if self.fuse_idle_w:
             return
         info = get_info(str(self.schedule))
@@ -300,8 +330,9 @@ def parse_pipeline_config(config: dict[str, Any]) -> PipelineConfig:
         return PipelineConfig(**{k: v for k, v in block.items() if k in ours})
     except ValidationError as err:
         first = err.errors()[0]
-        # A union's member shows in the location as "function-after[...]": not a key the user wrote.
-        where = ".".join(str(p) for p in first["loc"] if "[" not in str(p))
+        # A union's member shows in the location as "function-after[...]", "literal[...]" or a model's class name:
+        # not a key the user wrote (keys are lower case).
+        where = ".".join(str(p) for p in first["loc"] if "[" not in str(p) and not str(p)[:1].isupper())
         message = first["msg"].replace("Value error, ", "")
         # A rule across keys has no location; its message names the keys itself.
         raise ConfigError(f"pipeline.{where}: {message}" if where else message) from None

@@ -1,5 +1,9 @@
 """``"schedule": "auto"``: measure while a safe schedule runs, then switch to the fastest.
 
+A named schedule with ``"pass_costs": "measure"`` runs here too, as auto with itself the only
+candidate and its equal-cost order the measuring schedule: what it picks is its own order for
+the measured costs.
+
 The first ``warmup_steps`` calls of ``train_batch`` run the placement's safe schedule
 (``schedules.auto.SAFE``). They time every F, B and W pass per stage (the device is
 synchronised around each, the current stream only, so the figures are the passes' own), count the activation bytes
@@ -29,6 +33,7 @@ from ..schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
 from .engine import VShapeEngine
 from .program import instructions as ins
 from .program.plan import Plan
+from .step_end.failures import bounded_step
 
 __all__ = ["AutoEngine"]
 
@@ -96,7 +101,8 @@ class AutoEngine(VShapeEngine):
         self._auto_steps = step
         if choosing and step == self.auto.warmup_steps:
             self._auto_step_time = elapsed
-            self._choose()
+            with bounded_step(self, "choice"):  # a peer that died here fails every survivor within p2p_timeout_s, named
+                self._choose()
         elif not choosing and self.auto_step_s is None:
             self._chosen_step(elapsed)
         return loss
@@ -256,3 +262,6 @@ def _log_choice(measured: Measured, choice: Choice, settings: AutoSettings) -> N
     if not fitting:
         log.warning("ds_vshape auto: no %s schedule fits the memory limit; running the one with the least memory", settings.placement)
     log.info("ds_vshape auto: picked %s", choice.summary())
+    c = choice.costs  # per rank (all its chunks), as pipeline.pass_costs counts them; stage imbalance aside
+    log.info("ds_vshape auto: as config, in ms: \"pass_costs\": {\"f\": %.4g, \"b\": %.4g, \"w\": %.4g, \"comm\": %.4g}",
+             c.f * 1e3, c.b * 1e3, c.w * 1e3, c.comm * 1e3)

@@ -113,12 +113,15 @@ class Choice:
 
 def check_auto_options(schedule: str, *, placement: str | None, warmup_steps: int | None, names: Sequence[str] | None,
                        chunks: int | None, seq_chunks: int | None, memory_limit: float | None,
-                       memory_limit_bytes: float | None) -> None:
-    """The config rules of auto, as errors that name the key and say what to change."""
+                       memory_limit_bytes: float | None, measures: bool = False) -> None:
+    """The config rules of auto, as errors that name the key and say what to change. ``measures``: a named
+    schedule with pass_costs 'measure', which takes auto_warmup_steps (it measures as auto does) and no other key."""
     if schedule != "auto":
-        given = [k for k, v in zip(AUTO_KEYS, (placement, warmup_steps, names, memory_limit_bytes)) if v is not None]
+        values = (placement, None if measures else warmup_steps, names, memory_limit_bytes)
+        given = [k for k, v in zip(AUTO_KEYS, values) if v is not None]
         if given:
-            raise ValueError(f"pipeline.{given[0]} applies only with \"schedule\": \"auto\", not {schedule!r}; remove it")
+            also = " (auto_warmup_steps also with pipeline.pass_costs 'measure')" if given[0] == "auto_warmup_steps" else ""
+            raise ValueError(f"pipeline.{given[0]} applies only with \"schedule\": \"auto\"{also}, not {schedule!r}; remove it")
         return
     family = placement or "v"
     if chunks is not None and family != "looped":

@@ -10,8 +10,8 @@ Kill points (``POINTS``), in step ``kill_step`` of the case, on pipeline rank ``
 ``F`` / ``B`` / ``W``: as the rank starts the forward, backward (B, or the fused backward of
 1f1b) or weight pass of micro-batch ``kill_mb``; ``send``: right after it posts the send of
 that micro-batch's activations or gradients (whichever comes first), before the peer's receive
-completes; ``step``: as it enters
-the optimizer step.
+completes; ``step``: as it enters the optimizer step; ``choose``: as it starts auto's choice after
+the step (``schedule: "auto"`` or ``pass_costs: "measure"``, with ``kill_step`` its warm-up steps).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ POINTS: dict[str, tuple[tuple[type, ...], bool]] = {
     "W": ((ins.BackwardWeight,), True),
     "send": ((ins.SendActivation, ins.SendGrad), False),
     "step": ((ds_schedule.OptimizerStep,), True),
+    "choose": ((), True),  # no instruction: as auto (or pass_costs "measure") starts its choice after step kill_step
 }
 
 
@@ -75,6 +76,14 @@ def _arm(engine: Any, case: dict[str, Any], out_dir: str, rank: int) -> None:
         if kind in table:
             table[kind] = wrap(table[kind])
     engine._INSTRUCTION_MAP = table  # this engine only
+    if case["point"] == "choose":
+        choose = engine._choose
+
+        def die_first() -> None:
+            if engine.global_steps == case["kill_step"]:
+                _die_silently(out_dir, rank)
+            choose()
+        engine._choose = die_first
 
 
 def run_fault_rank(case: dict[str, Any], out_dir: str) -> None:

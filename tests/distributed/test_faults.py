@@ -75,6 +75,9 @@ def _extra_cases() -> list[dict[str, Any]]:
         # The optimistic step 2 waits for nothing: the survivors learn of the death in step 3.
         {**base, "name": "pp2xdp2-post-validation-v-zb-step", "schedule": "v-zb", "point": "step", "pipeline": pv,
          "named_step": 3},
+        # pass_costs "measure" (auto's machinery): a rank dies as the choice after the measuring steps starts.
+        {**base, "name": "pp2xdp2-measure-v-zb-choose", "schedule": "v-zb", "point": "choose",
+         "pipeline": {"p2p_timeout_s": TIMEOUT_S, "pass_costs": "measure"}, "named_when": "auto's choice after train step 2"},
     ]
 
 
@@ -83,7 +86,8 @@ def _strict_cases() -> list[dict[str, Any]]:
     a collective queues behind a transfer to the dead rank and a check issued in one step is
     waited for in the next: each survivor still fails within the timeout."""
     rules = {"mode": "lazy", **ALL_RULES}
-    picked = {"p4-zb-h2-W", "p4-v-zb-send", "pp2xdp2-zero1-v-zb-step", "pp2xdp2-post-validation-v-zb-step"}
+    picked = {"p4-zb-h2-W", "p4-v-zb-send", "pp2xdp2-zero1-v-zb-step", "pp2xdp2-post-validation-v-zb-step",
+              "pp2xdp2-measure-v-zb-choose"}
     return [dict(c, name=f"{c['name']}-all-rules", nccl=rules) for c in _extra_cases() + _cases() if c["name"] in picked]
 
 
@@ -155,6 +159,7 @@ def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_what_they_wai
         error = got["error"] or ""
         assert error.split(": ", 1)[0].rsplit(".", 1)[-1] in NAMED, f"{name} rank {rank}: {error!r}"
         stage = int(rank) % p if p == 4 else int(rank) // 2  # PP2xDP2: global rank = stage * 2 + replica
-        assert f"pipeline rank {stage} (global rank {rank}), train step {step}: " in error, f"{name} rank {rank}: {error!r}"
+        when = case.get("named_when", f"train step {step}")
+        assert f"pipeline rank {stage} (global rank {rank}), {when}: " in error, f"{name} rank {rank}: {error!r}"
         waited = ("receive of ", "send of ", " over global ranks [")
         assert any(w in error for w in waited), f"{name} rank {rank}: what it waited for is not named: {error!r}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ds_vshape.schedules import Schedule
+from ds_vshape.schedules import Costs, Schedule, generate
 from ds_vshape.schedules.cut_refine import profile_cut
 from ds_vshape.schedules.partition import LayerCost
 
@@ -48,6 +48,9 @@ AUTO_CASES = [
     # Linear placement within 2 M_B: ZB-H2 (2p-1 = 3 M_B at its peak) must be ruled out.
     {"name": "auto-linear-limit", "tuning_check": "auto", "schedule": "auto", "p": 2, "m": 4,
      "tuning": {"auto_placement": "linear", "memory_limit": 2.0}},
+    # A named V schedule that measures its own passes, then runs its order for them (custom autograd Functions).
+    {"name": "measure-v-zb", "tuning_check": "auto", "schedule": "v-zb", "p": 2, "m": 8, "custom": True,
+     "tuning": {"pass_costs": "measure", "w_memory": 1.0}},
 ]
 V_FAMILY = {"v-min", "v-half", "v-zb", "v-adaptive"}
 
@@ -148,3 +151,17 @@ def test_auto_keeps_within_the_memory_limit(results: dict) -> None:
     table = {row[0]: row for row in ranks[0]["table"]}
     assert table[ranks[0]["choice"]][3], f"the choice must fit: {table}"
     assert not table["zb-h2"][3] and not table["gpipe"][3], table
+
+
+def test_pass_costs_measure_runs_v_zb_then_its_order_for_the_measured_costs(results: dict) -> None:
+    """Two steps of v-zb's block (timed), then v-zb in the order the simulator picks for what they measured."""
+    ranks = _auto(results, "measure-v-zb", "v-zb")
+    assert [row[0] for row in ranks[0]["table"]] == ["v-zb"]
+    costs = {k: tuple(v) if isinstance(v, list) else v for k, v in ranks[0]["costs"].items()}
+    measured = Costs(**costs)
+    assert (measured.f, measured.b, measured.w) != (1.0, 1.0, 1.0) and measured.w_memory == 1.0, measured
+    want = generate("v-zb", 2, 8, costs=measured)
+    for rank, res in enumerate(ranks):
+        assert res["picked"][:2] == [None, None], (rank, res["picked"])  # measured under the block
+        assert res["picked"][2:] == [want.params.get("picked")] * 2, (rank, res["picked"], want.params.get("picked"))
+        assert Schedule.from_json(res["ran"]).ranks == want.ranks, f"rank {rank} ran another order than the costs give"

@@ -8,6 +8,7 @@ the schedule every rank ended up with.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -87,15 +88,17 @@ def auto(case: dict[str, Any]) -> dict[str, Any]:
     engine, *_ = ds_vshape.initialize(model=model, config=_config(case))
     data = w._data(case, steps, m)
     it = iter(data)
-    losses, names = [], []
+    losses, names, picked = [], [], []
     for _ in range(steps):
         names.append(engine.schedule.name)  # the schedule this step runs
+        picked.append(engine.schedule.params.get("picked"))  # a V schedule's order for given costs, if not its block
         losses.append(engine.train_batch(it).item())
     ref_losses = w._reference(ref, lambda mod, x, y: loss_fn(mod(x), y), data, m, steps, clip)
     choice = engine.auto_choice
     return {"losses": losses, "ref_losses": ref_losses, "param_diff": w._param_diff(engine, ref, case), "names": names,
             "choice": choice.name, "predicted_s": choice.predicted_s, "step_s": engine.auto_step_s,
-            "table": [[c.name, c.makespan, c.peak_bytes, c.fits] for c in choice.table],
+            "table": [[c.name, c.makespan, c.peak_bytes, c.fits] for c in choice.table], "picked": picked,
+            "costs": dataclasses.asdict(choice.costs), "ran": engine.schedule.to_json(),
             "parts": [int(b) for b in engine.module.stage_parts], "method": engine.module._vs_partition_method}
 
 

@@ -55,7 +55,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "runtime/offload/": frozenset({"schedules/", "runtime/measuring/"}),
     "runtime/measuring/": frozenset({"schedules/", "config.py", "tuning.py", "runtime/dropin/", "runtime/transfers/"}),
     # ``schedule: "auto"``: the engine measuring, then choosing (beside the engine, never below it).
-    "runtime/auto_engine.py": frozenset({"schedules/", "runtime/engine.py", "runtime/program/"}),
+    "runtime/auto_engine.py": frozenset({"schedules/", "runtime/engine.py", "runtime/program/", "runtime/step_end/failures.py"}),
 }
 
 

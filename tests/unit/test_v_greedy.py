@@ -184,3 +184,38 @@ def test_auto_predicts_from_the_order_its_measuring_steps_ran() -> None:
     chosen = make_chosen(choice, settings, stages=2, micro_batches=8)
     assert chosen.params["picked"].startswith("v-greedy")
     assert choice.predicted_s == simulate(chosen, costs).makespan  # no overhead invented
+
+
+def test_pass_costs_measure_runs_the_named_schedule_then_its_order_for_the_measured_costs() -> None:
+    """'measure': the engine starts with the schedule's equal-cost order and is handed auto's settings with the
+    schedule as its own only candidate, measured under itself; what pick returns is its order for the costs."""
+    from ds_vshape.schedules.auto import Measured, make_chosen, pick
+
+    cfg = parse_pipeline_config({"pipeline": {"schedule": "v-zb", "pass_costs": "measure", "auto_warmup_steps": 3}})
+    assert cfg.measures and cfg.costs == Costs(w_memory=cfg.w_memory)
+    assert cfg.make_schedule(2, 8) == generate("v-zb", 2, 8, costs=Costs(w_memory=cfg.w_memory))  # the block first
+    settings = cfg.auto_settings(zero_stage=1, stages=2, micro_batches=8)
+    assert (settings.names, settings.safe, settings.placement, settings.warmup_steps) == (("v-zb",), "v-zb", "v", 3)
+    measured = Measured(f=(1.0,) * 4, b=(1.14,) * 4, w=(0.39,) * 4, activation_bytes=(1.0,) * 4)
+    choice = pick(settings, measured, stages=2, micro_batches=8)
+    assert choice.name == "v-zb" and [c.name for c in choice.table] == ["v-zb"]
+    assert make_chosen(choice, settings, stages=2, micro_batches=8).params["picked"].startswith("v-greedy")
+    bounded = parse_pipeline_config({"pipeline": {"schedule": "v-adaptive", "memory_limit": 3, "pass_costs": "measure"}})
+    assert bounded.auto_settings(zero_stage=0, stages=4, micro_batches=8).warmup_limit == 3
+    linear = parse_pipeline_config({"pipeline": {"schedule": "zb-auto", "pass_costs": "measure"}})
+    assert linear.auto_settings(zero_stage=0, stages=2, micro_batches=8).placement == "linear"
+    assert not parse_pipeline_config({"pipeline": {"schedule": "v-zb"}}).measures
+    refused = {
+        (("schedule", "v-zb"), ("pass_costs", "mesure")): r"pipeline\.pass_costs: takes 'measure' or the pass times",
+        (("schedule", "v-zb"), ("pass_costs", "measure"), ("fuse_idle_w", True)):
+            r"pipeline\.pass_costs 'measure' does not apply with pipeline\.fuse_idle_w true",
+        (("schedule", "zb-h2"), ("pass_costs", "measure")): r"pipeline\.pass_costs applies only to the schedules that order",
+        (("schedule", "auto"), ("pass_costs", "measure")): r"pipeline\.pass_costs does not apply with \"schedule\": \"auto\"",
+        (("schedule", "v-zb"), ("pass_costs", "measure"), ("seq_chunks", 2)): r"orders for costs on whole sequences only",
+        (("schedule", "v-zb"), ("auto_warmup_steps", 3)): r"pipeline\.auto_warmup_steps applies only with \"schedule\": "
+                                                           r"\"auto\" \(auto_warmup_steps also with pipeline\.pass_costs",
+        (("schedule", "v-zb"), ("pass_costs", "measure"), ("auto_candidates", ("v-min",))): r"pipeline\.auto_candidates applies only",
+    }
+    for keys, needle in refused.items():
+        with pytest.raises(ConfigError, match=needle):
+            parse_pipeline_config({"pipeline": dict(keys)})

@@ -50,7 +50,12 @@ _SITES: dict[str, tuple[str, str]] = {
     "_aggregate_total_loss": ("the loss broadcast from the last stage (on it, first the all-reduce over data parallel)",
                               "loss"),
     "_exec_optimizer_step": ("the optimizer step's collectives (overflow check, gradient norm)", "model"),
+    "auto_engine.py:_hop_seconds": ("auto's round trips that time a hop between neighbouring pipeline ranks", "pipe"),
+    "auto_engine.py:_choose": ("auto's exchange of the measured pass times and of its choice", "world"),
 }
+# What a bounded stretch is, for the error: a step, or auto's choice between two steps.
+_WHEN = {"train": lambda steps: f"train step {steps + 1}", "eval": lambda steps: f"eval batch after train step {steps}",
+         "choice": lambda steps: f"auto's choice after train step {steps}"}
 
 
 def _groups(engine: Any) -> dict[str, list[Any]]:
@@ -123,9 +128,10 @@ def _transfer_error(err: P2PError, stage_id: int, where: str) -> P2PError:
 
 @contextmanager
 def bounded_step(engine: Any, kind: str) -> Iterator[None]:
-    """One train/eval step whose collectives time out with its transfers, and whose failures are named."""
+    """One train/eval step (``kind`` "train", "eval"), or auto's choice after a step ("choice"), whose collectives
+    time out with the step's transfers, and whose failures are named."""
     timeout_s = float(engine._p2p.timeout_s)
-    when = f"train step {engine.global_steps + 1}" if kind == "train" else f"eval batch after train step {engine.global_steps}"
+    when = _WHEN[kind](engine.global_steps)
     where = f"pipeline rank {engine.stage_id} (global rank {engine.global_rank}), {when}"
     groups = [g for gs in _groups(engine).values() for g in gs]
     saved: list[tuple[Any, timedelta]] = []
