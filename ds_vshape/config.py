@@ -141,8 +141,9 @@ class PipelineConfig(BaseModel):
         "it faster within the same memory bound (`ds-vshape simulate -s v-zb --t-f .. --t-b .. --t-w ..` shows which). "
         "'measure': the named schedule runs its equal-cost order for auto_warmup_steps steps (default 2) while the "
         "engine times every pass and hop (as schedule 'auto' does), then runs its order for the measured costs from the "
-        "next step on; the log states them as pass_costs numbers, which pin that order in later runs (the order, and so "
-        "the rounding of summed weight gradients, can differ between runs that measure). Not with schedule 'auto', "
+        "next step on. The log states them as pass_costs numbers: given in a later run, they order the schedule from "
+        "its first step without measuring (the measured imbalance between stages is not part of them). Runs that "
+        "measure can pick different orders, and so round summed gradients differently. Not with schedule 'auto', "
         "which measures them itself.",
     )
     weight_grads_in_b: tuple[str, ...] = Field(
