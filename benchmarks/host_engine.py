@@ -69,11 +69,11 @@ SEQ_CHUNKS = 2  # seq1f1b's sequence chunks here (its config's default is 4)
 PROFILE = "+profile"
 # ``--schedules zb-h2+fused``: the schedule with ``fuse_idle_w: true`` (a W that fills no bubble runs fused with its B).
 FUSED = "+fused"
-# ``--schedules v-zb+auto``: ``"schedule": "auto"`` with that schedule its only candidate: the first round's untimed
-# steps measure F, B and W, then it runs the schedule generated for the measured costs (v-zb orders for them).
+# ``--schedules v-zb+auto``: ``"schedule": "auto"`` with that schedule its only candidate: each round's engine measures
+# F, B and W in its untimed steps, then runs the schedule generated for the measured costs (v-zb orders for them).
 AUTO = "+auto"
-# ``--schedules v-zb+measure``: the schedule with ``pass_costs: "measure"``: the first round's untimed steps run its
-# equal-cost order and measure F, B and W, then it runs its order for the measured costs.
+# ``--schedules v-zb+measure``: the schedule with ``pass_costs: "measure"``: each round's engine runs its equal-cost
+# order in its untimed steps, measuring F, B and W, then its order for the measured costs.
 MEASURE = "+measure"
 
 

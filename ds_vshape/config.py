@@ -85,8 +85,8 @@ class PipelineConfig(BaseModel):
         "rank holds several stages, that cut is then moved toward a shorter simulated step of the schedule, and the same "
         "share of the shortest step found is traded for memory again.")
     p2p_timeout_s: float = Field(300.0, gt=0, description="Seconds a send or receive, or a collective that ends the step "
-                                 "(gradient all-reduce, global norm, loss broadcast), may take before the step fails with a "
-                                 "named error.")
+                                 "(gradient all-reduce, global norm, loss broadcast) or the choice after measuring (schedule 'auto', "
+                                 "pass_costs 'measure'), may take before the step fails with a named error.")
     measure_memory: bool = Field(
         False,
         description="Measure activation memory (saved-tensor hooks, bytes in flight) on every step, into "
@@ -139,10 +139,11 @@ class PipelineConfig(BaseModel):
         "instead of equal F, B and W and free hops. Where B costs more than F, or W less (host-bound passes), a V "
         "schedule's slot-model order waits on its peer; with these it takes a greedy order where the simulator finds "
         "it faster within the same memory bound (`ds-vshape simulate -s v-zb --t-f .. --t-b .. --t-w ..` shows which). "
-        "'measure': the named schedule runs its equal-cost order for auto_warmup_steps steps (default 2) while the "
-        "engine times every pass and hop (as schedule 'auto' does), then runs its order for the measured costs from the "
-        "next step on. The log states them as pass_costs numbers: given in a later run, they order the schedule from "
-        "its first step without measuring (the measured imbalance between stages is not part of them). Runs that "
+        "'measure' (not with fuse_idle_w): the named schedule runs its equal-cost order for auto_warmup_steps steps "
+        "(default 2) while the engine measures, as schedule 'auto' does (the passes on all but the last of them, the "
+        "step on the last, then a hop), and runs its order for the measured costs from the next step on. The log "
+        "states them as pass_costs numbers: given in a later run, they order the schedule from its first step "
+        "without measuring (the measured imbalance between stages is not part of them). Runs that "
         "measure can pick different orders, and so round summed gradients differently. Not with schedule 'auto', "
         "which measures them itself.",
     )
@@ -189,7 +190,12 @@ class PipelineConfig(BaseModel):
     def measures(self) -> bool:
         """Whether the engine times the passes before it settles the order: schedule 'auto', or a named schedule
         with pass_costs 'measure' (then its own only candidate)."""
-        return self.schedule == "auto" or self.pass_costs == "measure"
+        return self.schedule == "auto" or self.measures_itself
+
+    @property
+    def measures_itself(self) -> bool:
+        """A named schedule with pass_costs 'measure': the engine times its passes, then orders it for them."""
+        return self.pass_costs == "measure"
 
     def _measuring_schedule(self, stages: int, micro_batches: int) -> tuple[str, float | None]:
         return measuring_schedule(self.auto_placement or "v", stages=stages, micro_batches=micro_batches,
@@ -206,7 +212,8 @@ class PipelineConfig(BaseModel):
     def _costs_or_measure(cls, value: Any) -> Any:
         # A misspelt word would otherwise fail as a union: both members' errors, neither naming the choice.
         if isinstance(value, str) and value != "measure":
-            raise ValueError(f"takes 'measure' or the pass times {{\"f\": .., \"b\": .., \"w\": .., \"comm\": ..}}, not {value!r}")
+            raise ValueError(f"takes 'measure' or the pass times {{\"f\": .., \"b\": .., \"w\": .., \"comm\": ..}}, "
+                             f"not {value!r}")
         return value
 
     @field_validator("schedule")
@@ -228,13 +235,13 @@ class PipelineConfig(BaseModel):
             warmup, warmup_limit = self._measuring_schedule(stages, micro_batches)
         else:  # pass_costs "measure": the named schedule measures itself, then takes its order for the costs
             info = get_info(str(self.schedule))
-            placement, names, warmup = info.placement, (info.name,), info.name
-            warmup_limit = self.memory_limit if info.memory_limit else None
+            placement, names, warmup, warmup_limit = info.placement, (info.name,), info.name, self.memory_limit
         return AutoSettings(placement=placement, warmup_steps=self.auto_warmup_steps or 2,
                             names=names, chunks=self.chunks, seq_chunks=self.seq_chunks or 1,
                             memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
                             w_memory=self.w_memory, zero_stage=zero_stage, warmup_schedule=warmup, warmup_limit=warmup_limit,
-                            offload=None if self.offload == "auto" else self.offload)
+                            offload=None if self.offload == "auto" else self.offload,
+                            measured_for=None if self.schedule == "auto" else str(self.schedule))
 
     @model_validator(mode="after")
     def _options_fit_schedule(self) -> PipelineConfig:
@@ -258,7 +265,7 @@ class PipelineConfig(BaseModel):
         check_auto_options(self.schedule, placement=self.auto_placement, warmup_steps=self.auto_warmup_steps,
                            names=self.auto_candidates, chunks=self.chunks, seq_chunks=self.seq_chunks,
                            memory_limit=self.memory_limit, memory_limit_bytes=self.memory_limit_bytes,
-                           measures=self.pass_costs == "measure")
+                           measures=self.measures_itself)
         if self.offload == "auto" and self.schedule != "auto":
             raise ValueError(f"pipeline.offload 'auto' applies only with \"schedule\": \"auto\", not {self.schedule!r}; "
                              "give a share from 0 to 1")
@@ -283,14 +290,17 @@ class PipelineConfig(BaseModel):
         if self.schedule == "auto":
             raise ValueError("pipeline.pass_costs does not apply with \"schedule\": \"auto\", which measures the passes "
                              "itself; remove pass_costs")
-        if self.pass_costs == "measure" and self.fuse_idle_w:
+        if self.measures_itself and self.fuse_idle_w:
             raise ValueError("pipeline.pass_costs 'measure' does not apply with pipeline.fuse_idle_w true, which fuses at the "
                              "front door, before anything is measured; give pass_costs as numbers or drop fuse_idle_w")
         if self.fuse_idle_w:
             return
         info = get_info(str(self.schedule))
+        readers = ", ".join(n for n in schedule_names() if get_info(n).uses_costs)
+        if self.measures_itself and not info.uses_costs:
+            raise ValueError(f"pipeline.pass_costs 'measure' applies only to the schedules that order for costs ({readers}); "
+                             f"{self.schedule!r} ignores them: remove pass_costs or pick one of those")
         if not info.uses_costs:
-            readers = ", ".join(n for n in schedule_names() if get_info(n).uses_costs)
             raise ValueError(f"pipeline.pass_costs applies only to the schedules that order for costs ({readers}) or with "
                              f"pipeline.fuse_idle_w true; {self.schedule!r} ignores them: remove pass_costs or pick one of those")
         if not info.orders_for_costs(self.seq_chunks or info.default_seq_chunks):

@@ -29,7 +29,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as log
 
 from ..schedules import Schedule
-from ..schedules.auto import AutoSettings, Choice, Measured, make_chosen, pick
+from ..schedules import get_info
+from ..schedules.auto import AutoSettings, Choice, Measured, choice_fits, make_chosen, pick
 from .engine import VShapeEngine
 from .program import instructions as ins
 from .program.plan import Plan
@@ -65,10 +66,11 @@ class AutoEngine(VShapeEngine):
     """A ``VShapeEngine`` that starts with a safe schedule and picks the fastest after measuring."""
 
     def __init__(self, *args: Any, plan: Plan, **kwargs: Any) -> None:
-        """``plan``: made for ``"schedule": "auto"`` (its ``auto`` settings set); its schedule is the
-        placement's safe one, run while measuring."""
+        """``plan``: made for ``"schedule": "auto"`` or ``"pass_costs": "measure"`` (its ``auto`` settings set); its
+        schedule is the one run while measuring."""
         if plan.auto is None:  # before DeepSpeed builds anything
-            raise ValueError("AutoEngine needs a plan made for \"schedule\": \"auto\" (plan.auto is None)")
+            raise ValueError("AutoEngine needs a plan that measures (\"schedule\": \"auto\" or \"pass_costs\": \"measure\"; "
+                             "plan.auto is None)")
         super().__init__(*args, plan=plan, **kwargs)
         self.auto_choice: Choice | None = None  # set on every rank once chosen
         self.auto_measured: Measured | None = None  # rank 0's merged figures
@@ -199,10 +201,21 @@ class AutoEngine(VShapeEngine):
         dist.broadcast_object_list(box, src=0, device=self.device if dist.get_backend() == "nccl" else None)
         choice, error = box[0]
         if error is not None:
-            raise ValueError(f"rank {dist.get_rank()}: pipeline.schedule auto could not choose: {error}")
+            raise ValueError(f"rank {dist.get_rank()}: {self.auto.label} could not choose: {error}")
         self._install(choice)
         self._auto_times.clear()
         self._auto_bytes.clear()
+
+    def resume_choice(self, choice: Choice) -> bool:
+        """Run ``choice``, restored from a checkpoint, where this job's settings could have made it (``choice_fits``);
+        else measure again (its config names other candidates, another limit or share). Every rank decides alike."""
+        if not choice_fits(choice, self.auto, stages=self.num_stages, micro_batches=self.micro_batches):
+            if dist.get_rank() == 0:
+                log.warning("ds_vshape: the checkpoint's choice %s is not one %s could make here (other candidates, "
+                            "memory limit, w_memory or offload share); measuring again", choice.name, self.auto.label)
+            return False
+        self._install(choice)
+        return True
 
     def _install(self, choice: Choice) -> None:
         """Swap in the plan of ``choice`` (every rank has the same); a later batch ramp-up remakes the
@@ -260,8 +273,10 @@ def _log_choice(measured: Measured, choice: Choice, settings: AutoSettings) -> N
              [round(a / 2**20, 3) for a in measured.activation_bytes], measured.comm * 1e3)
     fitting = [c for c in choice.table if c.fits]
     if not fitting:
-        log.warning("ds_vshape auto: no %s schedule fits the memory limit; running the one with the least memory", settings.placement)
+        log.warning("ds_vshape auto: nothing %s may run fits the memory limit; running the least memory of it", settings.label)
     log.info("ds_vshape auto: picked %s", choice.summary())
+    if not get_info(choice.name).uses_costs:
+        return
     c = choice.costs  # per rank (all its chunks), as pipeline.pass_costs counts them; stage imbalance aside
     log.info("ds_vshape auto: as config, in ms: \"pass_costs\": {\"f\": %.4g, \"b\": %.4g, \"w\": %.4g, \"comm\": %.4g}",
              c.f * 1e3, c.b * 1e3, c.w * 1e3, c.comm * 1e3)

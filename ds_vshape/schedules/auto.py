@@ -31,7 +31,7 @@ from .registry import generate, get_info, schedule_names
 from .simulate import memory_peaks, simulate
 
 __all__ = ["PLACEMENTS", "SAFE", "BOUNDED", "OFFLOAD_SHARES", "AutoSettings", "measuring_schedule", "Measured", "Candidate", "Choice", "candidates", "on_placement", "to_costs",
-           "peak_bytes", "pick", "make_chosen", "AUTO_KEYS", "check_auto_options"]
+           "peak_bytes", "pick", "choice_fits", "make_chosen", "AUTO_KEYS", "check_auto_options"]
 
 PLACEMENTS = ("linear", "v", "looped")
 # Measured first: split backward (B and W timed apart), and within the family's usual memory.
@@ -61,10 +61,16 @@ class AutoSettings:
     warmup_schedule: str | None = None  # what the measuring steps run (measuring_schedule); None: SAFE's
     warmup_limit: float | None = None  # its memory limit in M_B, for a BOUNDED one
     offload: float | None = 0.0  # the config's offload share; None ("auto"): auto picks one under a memory limit
+    measured_for: str | None = None  # a named schedule with pass_costs "measure" (its own only candidate); None: auto
 
     @property
     def safe(self) -> str:
         return self.warmup_schedule or SAFE[self.placement]
+
+    @property
+    def label(self) -> str:
+        """What the user configured, for messages: schedule 'auto' or a schedule measuring its own costs."""
+        return "schedule 'auto'" if self.measured_for is None else f"schedule {self.measured_for!r} with pass_costs 'measure'"
 
 
 @dataclass(frozen=True)
@@ -243,8 +249,9 @@ def pick(settings: AutoSettings, measured: Measured, *, stages: int, micro_batch
             continue
         table.append(_best_share(name, schedule, shares, measured, costs, settings.w_memory, limit_bytes, overhead))
     if not table:
-        raise ValueError(f"schedule auto found no schedule of placement {settings.placement!r} for p={stages}, "
-                         f"m={micro_batches}, k={settings.seq_chunks}; widen pipeline.auto_candidates or raise m")
+        widen = "widen pipeline.auto_candidates or " if settings.measured_for is None else ""
+        raise ValueError(f"{settings.label} found no schedule of placement {settings.placement!r} for p={stages}, "
+                         f"m={micro_batches}, k={settings.seq_chunks}; {widen}raise m")
     table.sort(key=lambda c: (not c.fits, c.makespan if c.fits else c.peak_bytes, c.peak_bytes))
     best = table[0]
     return Choice(best.name, best.makespan, costs, limit_mb if get_info(best.name).memory_limit else None, tuple(table),
@@ -273,6 +280,21 @@ def _overhead(settings: AutoSettings, measured: Measured, costs: Costs, stages: 
     # not the one these costs would give the safe schedule now.
     ran = _make(settings.safe, settings, stages, micro_batches, Costs(w_memory=settings.w_memory), settings.warmup_limit)
     return max(0.0, measured.step - simulate(ran, costs).makespan)
+
+
+def choice_fits(choice: Choice, settings: AutoSettings, *, stages: int, micro_batches: int) -> bool:
+    """Whether ``choice`` (saved by a job, restored by its resumption) is one these settings could make: one of
+    their candidates, with their share W keeps, their memory limit (in M_B; a limit in bytes is met by a choice
+    only as measured, so any) and their offload share (any, where auto picks it). A resumed job's config may
+    differ from the saving one's; a choice it could not have made is measured again, not run."""
+    if choice.name not in candidates(settings, stages=stages, micro_batches=micro_batches):
+        return False
+    if choice.costs.w_memory != settings.w_memory:
+        return False
+    limit = settings.memory_limit if get_info(choice.name).memory_limit else None
+    if settings.memory_limit_bytes is None and choice.memory_limit != limit:
+        return False
+    return settings.offload is None or choice.offload == settings.offload
 
 
 def make_chosen(choice: Choice, settings: AutoSettings, *, stages: int, micro_batches: int) -> Schedule:

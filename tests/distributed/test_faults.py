@@ -77,7 +77,7 @@ def _extra_cases() -> list[dict[str, Any]]:
          "named_step": 3},
         # pass_costs "measure" (auto's machinery): a rank dies as the choice after the measuring steps starts.
         {**base, "name": "pp2xdp2-measure-v-zb-choose", "schedule": "v-zb", "point": "choose",
-         "pipeline": {"p2p_timeout_s": TIMEOUT_S, "pass_costs": "measure"}, "named_when": "auto's choice after train step 2"},
+         "pipeline": {"p2p_timeout_s": TIMEOUT_S, "pass_costs": "measure"}, "named_when": "the schedule's choice after train step 2"},
     ]
 
 

@@ -196,6 +196,7 @@ def test_pass_costs_measure_runs_the_named_schedule_then_its_order_for_the_measu
     assert cfg.make_schedule(2, 8) == generate("v-zb", 2, 8, costs=Costs(w_memory=cfg.w_memory))  # the block first
     settings = cfg.auto_settings(zero_stage=1, stages=2, micro_batches=8)
     assert (settings.names, settings.safe, settings.placement, settings.warmup_steps) == (("v-zb",), "v-zb", "v", 3)
+    assert settings.label == "schedule 'v-zb' with pass_costs 'measure'"
     measured = Measured(f=(1.0,) * 4, b=(1.14,) * 4, w=(0.39,) * 4, activation_bytes=(1.0,) * 4)
     choice = pick(settings, measured, stages=2, micro_batches=8)
     assert choice.name == "v-zb" and [c.name for c in choice.table] == ["v-zb"]
@@ -209,7 +210,9 @@ def test_pass_costs_measure_runs_the_named_schedule_then_its_order_for_the_measu
         (("schedule", "v-zb"), ("pass_costs", "mesure")): r"pipeline\.pass_costs: takes 'measure' or the pass times",
         (("schedule", "v-zb"), ("pass_costs", "measure"), ("fuse_idle_w", True)):
             r"pipeline\.pass_costs 'measure' does not apply with pipeline\.fuse_idle_w true",
-        (("schedule", "zb-h2"), ("pass_costs", "measure")): r"pipeline\.pass_costs applies only to the schedules that order",
+        (("schedule", "zb-h2"), ("pass_costs", "measure")): r"pipeline\.pass_costs 'measure' applies only to the schedules "
+                                                             r"that order for costs \(zb-auto, v-zb, v-half, v-min, "
+                                                             r"v-adaptive\); 'zb-h2' ignores them: remove pass_costs",
         (("schedule", "auto"), ("pass_costs", "measure")): r"pipeline\.pass_costs does not apply with \"schedule\": \"auto\"",
         (("schedule", "v-zb"), ("pass_costs", "measure"), ("seq_chunks", 2)): r"orders for costs on whole sequences only",
         (("schedule", "v-zb"), ("auto_warmup_steps", 3)): r"pipeline\.auto_warmup_steps applies only with \"schedule\": "
@@ -219,3 +222,29 @@ def test_pass_costs_measure_runs_the_named_schedule_then_its_order_for_the_measu
     for keys, needle in refused.items():
         with pytest.raises(ConfigError, match=needle):
             parse_pipeline_config({"pipeline": dict(keys)})
+
+
+def test_a_restored_choice_runs_only_where_the_resumed_config_could_have_made_it() -> None:
+    """A checkpoint's choice against the resumed job's settings: another candidate list, memory limit, w_memory or
+    offload share means measuring again (``choice_fits``), not running what the saving job's config chose."""
+    from ds_vshape.schedules.auto import Measured, choice_fits, pick
+
+    def settings(pipeline: dict) -> object:
+        return parse_pipeline_config({"pipeline": pipeline}).auto_settings(zero_stage=0, stages=2, micro_batches=8)
+
+    measured = Measured(f=(1.0,) * 4, b=(1.14,) * 4, w=(0.39,) * 4, activation_bytes=(1.0,) * 4)
+    auto = settings({"schedule": "auto", "auto_candidates": ["v-half", "v-zb"], "w_memory": 1.0})
+    choice = pick(auto, measured, stages=2, micro_batches=8)
+    fits = lambda other: choice_fits(choice, other, stages=2, micro_batches=8)  # noqa: E731
+    assert fits(auto) and fits(settings({"schedule": "auto", "w_memory": 1.0}))
+    assert fits(settings({"schedule": choice.name, "pass_costs": "measure", "w_memory": 1.0}))
+    other = next(n for n in ("v-half", "v-zb") if n != choice.name)
+    assert not fits(settings({"schedule": other, "pass_costs": "measure", "w_memory": 1.0}))
+    assert not fits(settings({"schedule": "auto", "auto_candidates": [other], "w_memory": 1.0}))
+    assert not fits(settings({"schedule": "auto", "w_memory": 0.5}))
+    assert not fits(settings({"schedule": "auto", "w_memory": 1.0, "offload": 0.5}))
+    adaptive = settings({"schedule": "v-adaptive", "pass_costs": "measure", "memory_limit": 2, "w_memory": 1.0})
+    bounded = pick(adaptive, measured, stages=2, micro_batches=8)
+    assert bounded.memory_limit == 2 and choice_fits(bounded, adaptive, stages=2, micro_batches=8)
+    tighter = settings({"schedule": "v-adaptive", "pass_costs": "measure", "memory_limit": 1.5, "w_memory": 1.0})
+    assert not choice_fits(bounded, tighter, stages=2, micro_batches=8)

@@ -9,8 +9,10 @@ every file of the tag):
   NumPy's (when imported), DeepSpeed's activation-checkpointing CUDA RNG tracker;
 * post-validation's run of steps that stood (``speculate_after`` counts it) and its counters
   (a save settles the pending check first, so no check is ever pending in a checkpoint);
-* ``schedule: "auto"``'s choice: a resumed job runs the schedule the measurement chose (and
-  does not measure again), instead of restarting on the safe one.
+* the choice of ``schedule: "auto"`` or ``pass_costs: "measure"``: a resumed job runs the schedule
+  the measurement chose (and does not measure again), instead of restarting on the measuring one,
+  where its own config could have made that choice (``schedules.auto.choice_fits``); else it
+  measures again.
 
 A load restores them when it resumes the saving job as it was (the same placement, world size
 and global rank: DeepSpeed's own optimizer load). A weights-only load or one under another
@@ -106,7 +108,8 @@ def restore(engine: Any, ckpt_dir: str) -> list[str]:
         validator.redone_steps, validator.rerun_steps = pv["redone_steps"], pv["rerun_steps"]
         done.append("post_validation")
     choice = saved.get("auto_choice")
-    if choice is not None and hasattr(engine, "_install") and getattr(engine, "auto_choice", None) is None:
-        engine._install(choice)  # the same on every rank: the choice was broadcast before it was saved
-        done.append(f"auto_choice={choice.name}")
+    if choice is not None and hasattr(engine, "resume_choice") and getattr(engine, "auto_choice", None) is None:
+        # The same on every rank: the choice was broadcast before it was saved, and every rank judges it alike.
+        taken = engine.resume_choice(choice)
+        done.append(f"auto_choice={choice.name}" if taken else f"auto_choice={choice.name} not taken")
     return done

@@ -44,7 +44,7 @@ class Plan:
     schedule: Schedule
     remake: Callable[[int], Schedule] = field(compare=False)  # the same schedule for m micro-batches
     settings: EngineSettings
-    auto: AutoSettings | None = None  # set for ``"schedule": "auto"`` (the engine measures, then chooses)
+    auto: AutoSettings | None = None  # set for ``"schedule": "auto"`` or pass_costs "measure" (the engine measures, then chooses)
     programs: tuple[tuple[Op, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ that names this rank, the step, the collective and its group's global ranks, and
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import TracebackType
@@ -50,12 +50,15 @@ _SITES: dict[str, tuple[str, str]] = {
     "_aggregate_total_loss": ("the loss broadcast from the last stage (on it, first the all-reduce over data parallel)",
                               "loss"),
     "_exec_optimizer_step": ("the optimizer step's collectives (overflow check, gradient norm)", "model"),
-    "auto_engine.py:_hop_seconds": ("auto's round trips that time a hop between neighbouring pipeline ranks", "pipe"),
-    "auto_engine.py:_choose": ("auto's exchange of the measured pass times and of its choice", "world"),
+    "auto_engine.py:_hop_seconds": ("the round trips that time a hop between neighbouring pipeline ranks", "pipe"),
+    "auto_engine.py:_choose": ("the exchange of the measured pass times and of the schedule chosen from them", "world"),
 }
-# What a bounded stretch is, for the error: a step, or auto's choice between two steps.
-_WHEN = {"train": lambda steps: f"train step {steps + 1}", "eval": lambda steps: f"eval batch after train step {steps}",
-         "choice": lambda steps: f"auto's choice after train step {steps}"}
+# What a bounded stretch is, for the error: a step, or the choice after measuring (auto, pass_costs "measure").
+_WHEN: dict[str, Callable[[int], str]] = {
+    "train": lambda steps: f"train step {steps + 1}",
+    "eval": lambda steps: f"eval batch after train step {steps}",
+    "choice": lambda steps: f"the schedule's choice after train step {steps}",
+}
 
 
 def _groups(engine: Any) -> dict[str, list[Any]]:
@@ -128,7 +131,7 @@ def _transfer_error(err: P2PError, stage_id: int, where: str) -> P2PError:
 
 @contextmanager
 def bounded_step(engine: Any, kind: str) -> Iterator[None]:
-    """One train/eval step (``kind`` "train", "eval"), or auto's choice after a step ("choice"), whose collectives
+    """One train/eval step (``kind`` "train", "eval"), or the choice after measuring steps ("choice"), whose collectives
     time out with the step's transfers, and whose failures are named."""
     timeout_s = float(engine._p2p.timeout_s)
     when = _WHEN[kind](engine.global_steps)
