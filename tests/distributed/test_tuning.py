@@ -54,6 +54,9 @@ AUTO_CASES = [
     # Under its memory limit, measured under its own equal-cost order at that limit.
     {"name": "measure-v-adaptive", "tuning_check": "auto", "schedule": "v-adaptive", "p": 2, "m": 8,
      "tuning": {"pass_costs": "measure", "w_memory": 1.0, "memory_limit": 2.0}},
+    # With post-validation speculating from the first step: steps overlap across the measuring and the switch.
+    {"name": "measure-v-zb-post-validation", "tuning_check": "auto", "schedule": "v-zb", "p": 2, "m": 8, "custom": True,
+     "tuning": {"pass_costs": "measure", "w_memory": 1.0, "post_validation": True, "speculate_after": 0}},
 ]
 V_FAMILY = {"v-min", "v-half", "v-zb", "v-adaptive"}
 
@@ -63,7 +66,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return by_case(launch(PROFILE_CASES + AUTO_CASES, 2, tmp_path_factory.mktemp("tuning")))
 
 
-NCCL_CASES = ["profile-v-half-heavy", "auto-v-profile", "auto-linear-limit"]
+NCCL_CASES = ["profile-v-half-heavy", "auto-v-profile", "auto-linear-limit", "measure-v-zb-post-validation"]
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +159,8 @@ def test_auto_keeps_within_the_memory_limit(results: dict) -> None:
     assert not table["zb-h2"][3] and not table["gpipe"][3], table
 
 
-@pytest.mark.parametrize(("case", "name", "limit"), [("measure-v-zb", "v-zb", None), ("measure-v-adaptive", "v-adaptive", 2.0)])
+@pytest.mark.parametrize(("case", "name", "limit"), [("measure-v-zb", "v-zb", None), ("measure-v-adaptive", "v-adaptive", 2.0),
+                                                     ("measure-v-zb-post-validation", "v-zb", None)])
 def test_pass_costs_measure_runs_the_schedule_then_its_order_for_the_measured_costs(results: dict, case: str, name: str,
                                                                                     limit: float | None) -> None:
     """Two steps of the schedule's equal-cost order (the first timed), then its order for what they measured."""

@@ -94,6 +94,8 @@ def auto(case: dict[str, Any]) -> dict[str, Any]:
         picked.append(engine.schedule.params.get("picked"))  # a V schedule's order for given costs, if not its block
         losses.append(engine.train_batch(it).item())
     ref_losses = w._reference(ref, lambda mod, x, y: loss_fn(mod(x), y), data, m, steps, clip)
+    if case.get("tuning", {}).get("post_validation"):
+        engine.settle()  # the last step's check, before the weights are read
     choice = engine.auto_choice
     return {"losses": losses, "ref_losses": ref_losses, "param_diff": w._param_diff(engine, ref, case), "names": names,
             "choice": choice.name, "predicted_s": choice.predicted_s, "step_s": engine.auto_step_s,
