@@ -28,8 +28,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as log
 
-from ..schedules import Schedule
-from ..schedules import get_info
+from ..schedules import Schedule, get_info
 from ..schedules.auto import AutoSettings, Choice, Measured, choice_fits, make_chosen, pick
 from .engine import VShapeEngine
 from .program import instructions as ins
@@ -273,7 +272,8 @@ def _log_choice(measured: Measured, choice: Choice, settings: AutoSettings) -> N
              [round(a / 2**20, 3) for a in measured.activation_bytes], measured.comm * 1e3)
     fitting = [c for c in choice.table if c.fits]
     if not fitting:
-        log.warning("ds_vshape auto: nothing %s may run fits the memory limit; running the least memory of it", settings.label)
+        log.warning("ds_vshape auto: no candidate of %s fits the memory limit; running the one with the least memory",
+                    settings.label)
     log.info("ds_vshape auto: picked %s", choice.summary())
     if not get_info(choice.name).uses_costs:
         return
